@@ -1,0 +1,21 @@
+# Thin wrappers around dev.py, which does the work with only Python and pip.
+.PHONY: setup book test execute bench clean
+
+setup:
+	python3 dev.py setup
+
+book:
+	python3 dev.py book
+
+test:
+	python3 dev.py test
+
+# Re-run every notebook in place (stored outputs + widget state).
+execute:
+	python3 dev.py execute
+
+bench:
+	.venv/bin/python benchmarks/bench_attention.py
+
+clean:
+	rm -rf _build .pytest_cache

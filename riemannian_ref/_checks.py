@@ -1,0 +1,75 @@
+"""Input validation shared by the package: fail early, name the argument.
+
+Every public function checks its inputs with these helpers so that a wrong
+shape, dtype or device raises a ``ValueError`` that says which argument was
+wrong, what was expected and what was received, instead of broadcasting
+silently or failing deep inside a matmul.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+__all__: list[str] = []  # private module
+
+
+def shape_str(t: Tensor | Sequence[int]) -> str:
+    shape = tuple(t.shape) if isinstance(t, Tensor) else tuple(t)
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def check_tensor(x, name: str, *, min_dim: int = 0, floating: bool = True) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < min_dim:
+        raise ValueError(
+            f"{name} must have at least {min_dim} dimensions, got shape {shape_str(x)}"
+        )
+    if floating and not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    return x
+
+
+def check_same(ref: Tensor, ref_name: str, others: Iterable[tuple[str, Tensor | None]]) -> None:
+    """Same dtype and device as ``ref`` for every non-None tensor in ``others``."""
+    for name, t in others:
+        if t is None or not isinstance(t, Tensor):
+            continue
+        if t.dtype != ref.dtype:
+            raise ValueError(
+                f"{name} has dtype {t.dtype} but {ref_name} has dtype {ref.dtype}; "
+                "convert them to one dtype first"
+            )
+        if t.device != ref.device:
+            raise ValueError(
+                f"{name} is on device {t.device} but {ref_name} is on {ref.device}; "
+                "move them to one device first"
+            )
+
+
+def broadcast_batch(shapes: dict[str, Sequence[int]]) -> torch.Size:
+    """Broadcast batch shapes by torch's rules, naming the culprits on failure."""
+    try:
+        return torch.broadcast_shapes(*[tuple(s) for s in shapes.values()])
+    except RuntimeError:
+        desc = ", ".join(f"{k} {shape_str(v)}" for k, v in shapes.items())
+        raise ValueError(
+            f"batch dimensions do not broadcast (torch broadcasting rules): {desc}"
+        ) from None
+
+
+def as_positive(x, name: str, like: Tensor) -> Tensor:
+    """A strictly positive float or tensor, returned as a tensor like ``like``."""
+    if isinstance(x, Tensor):
+        check_same(like, "the inputs", [(name, x)])
+        t = x
+    elif isinstance(x, (int, float)) and not isinstance(x, bool):
+        t = torch.tensor(float(x), dtype=like.dtype, device=like.device)
+    else:
+        raise ValueError(f"{name} must be a positive float or a tensor, got {type(x).__name__}")
+    if not torch.isfinite(t).all() or not (t > 0).all():
+        bad = t[~(torch.isfinite(t) & (t > 0))].flatten()[:3].tolist()
+        raise ValueError(f"{name} must be finite and > 0 everywhere, got values such as {bad}")
+    return t

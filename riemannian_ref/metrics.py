@@ -1,0 +1,336 @@
+r"""Per-token low-rank metrics and their cheap geometry.
+
+A metric on a head space :math:`\mathbb{R}^d` is a symmetric positive-definite
+matrix. We use
+
+.. math:: G = \lambda I_d + U U^\top \quad\text{or}\quad G = \mathrm{diag}(\delta) + U U^\top,
+
+with :math:`U \in \mathbb{R}^{d\times r}` and small rank :math:`r`. Every
+operation below costs :math:`O(d r^2 + r^3)` (factor) or :math:`O(d r)` (apply)
+per token: the Woodbury identity for :math:`G^{-1}` and the matrix determinant
+lemma for :math:`\log\det G`; a dense :math:`d\times d` matrix is only formed
+by :meth:`LowRankMetric.dense`, for checking.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ._checks import as_positive, broadcast_batch, check_same, check_tensor, shape_str
+
+__all__ = ["LowRankMetric", "MetricNet"]
+
+
+class LowRankMetric:
+    r"""A batch of metrics :math:`G = \lambda I + U U^\top` (or :math:`\mathrm{diag}(\delta) + U U^\top`).
+
+    Parameters
+    ----------
+    lam : float or Tensor, shape broadcastable to ``U.shape[:-2]``
+        The isotropic part :math:`\lambda > 0`. Must be ``None`` when ``delta``
+        is given.
+    U : Tensor, shape [..., d, r]
+        Low-rank factor; ``r = 0`` is allowed (then :math:`G = \lambda I`).
+    delta : Tensor, shape [..., d], optional
+        Diagonal part :math:`\delta > 0` for the diagonal-plus-low-rank form;
+        its batch dimensions broadcast against ``U.shape[:-2]``.
+
+    Notes
+    -----
+    Internally both forms are written :math:`G = D + U U^\top` with
+    :math:`D` diagonal, and the :math:`r\times r` *capacitance* matrix
+    :math:`C = I_r + U^\top D^{-1} U` (SPD, eigenvalues :math:`\ge 1`) is
+    Cholesky-factored once, lazily. Then
+
+    .. math::
+        G^{-1} w = D^{-1} w - D^{-1} U C^{-1} U^\top D^{-1} w, \qquad
+        \log\det G = \textstyle\sum_a \log D_{aa} + \log\det C .
+    """
+
+    def __init__(self, lam, U: Tensor, delta: Tensor | None = None):
+        U = check_tensor(U, "U", min_dim=2)
+        self.U = U
+        d = U.shape[-2]
+        if delta is None:
+            if lam is None:
+                raise ValueError("lam must be given (a float or tensor > 0) when delta is None")
+            lam_t = as_positive(lam, "lam", U)
+            broadcast_batch({"lam": lam_t.shape, "U.shape[:-2]": U.shape[:-2]})
+            self.lam = lam_t
+            self.delta = None
+        else:
+            if lam is not None:
+                raise ValueError(
+                    "give either lam (G = lam I + U U^T) or delta (G = diag(delta) + U U^T), not both"
+                )
+            delta = check_tensor(delta, "delta", min_dim=1)
+            check_same(U, "U", [("delta", delta)])
+            if delta.shape[-1] != d:
+                raise ValueError(
+                    f"delta must have shape [..., d] with d = {d} (from U {shape_str(U)}), "
+                    f"got {shape_str(delta)}"
+                )
+            as_positive(delta, "delta", U)
+            broadcast_batch({"delta.shape[:-1]": delta.shape[:-1], "U.shape[:-2]": U.shape[:-2]})
+            self.lam = None
+            self.delta = delta
+        self._chol: Tensor | None = None
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def d(self) -> int:
+        return self.U.shape[-2]
+
+    @property
+    def r(self) -> int:
+        return self.U.shape[-1]
+
+    @property
+    def batch_shape(self) -> torch.Size:
+        extra = self.lam.shape if self.delta is None else self.delta.shape[:-1]
+        return torch.broadcast_shapes(self.U.shape[:-2], extra)
+
+    def __repr__(self) -> str:
+        form = "lam I" if self.delta is None else "diag(delta)"
+        return f"LowRankMetric({form} + U U^T, batch={list(self.batch_shape)}, d={self.d}, r={self.r})"
+
+    # ------------------------------------------------------------ internals
+    def _dinv(self) -> Tensor:
+        """:math:`D^{-1}` as a tensor broadcastable to [..., d]."""
+        if self.delta is None:
+            return (1.0 / self.lam).unsqueeze(-1)
+        return 1.0 / self.delta
+
+    def _dvec(self) -> Tensor:
+        if self.delta is None:
+            return self.lam.unsqueeze(-1)
+        return self.delta
+
+    def capacitance(self) -> Tensor:
+        r"""The :math:`r\times r` matrix :math:`C = I_r + U^\top D^{-1} U`, shape [..., r, r]."""
+        U = self.U
+        DU = U * self._dinv().unsqueeze(-1)  # (..., d, r)
+        C = U.transpose(-1, -2) @ DU  # (..., r, r)
+        eye = torch.eye(self.r, dtype=U.dtype, device=U.device)
+        return C + eye
+
+    def _cholesky(self) -> Tensor:
+        if self._chol is None:
+            self._chol = torch.linalg.cholesky(self.capacitance())  # (..., r, r)
+        return self._chol
+
+    def _check_vec(self, v: Tensor, name: str) -> Tensor:
+        v = check_tensor(v, name, min_dim=1)
+        check_same(self.U, "U", [(name, v)])
+        if v.shape[-1] != self.d:
+            raise ValueError(f"{name} must have shape [..., d] with d = {self.d}, got {shape_str(v)}")
+        broadcast_batch({f"{name}.shape[:-1]": v.shape[:-1], "metric batch": self.batch_shape})
+        return v
+
+    # ------------------------------------------------------------- geometry
+    def matvec(self, v: Tensor) -> Tensor:
+        r""":math:`G v` in :math:`O(d r)`.
+
+        Parameters
+        ----------
+        v : Tensor, shape [..., d]
+
+        Returns
+        -------
+        Tensor, shape [..., d] (batch dimensions broadcast with the metric's)
+        """
+        v = self._check_vec(v, "v")
+        Utv = (self.U * v.unsqueeze(-1)).sum(-2)  # (..., r)
+        return self._dvec() * v + (self.U @ Utv.unsqueeze(-1)).squeeze(-1)
+
+    def quad(self, v: Tensor) -> Tensor:
+        r"""Squared length :math:`v^\top G v = \lambda |v|^2 + |U^\top v|^2` in :math:`O(d r)`.
+
+        Parameters
+        ----------
+        v : Tensor, shape [..., d]
+
+        Returns
+        -------
+        Tensor, shape [...]
+        """
+        v = self._check_vec(v, "v")
+        Utv = (self.U * v.unsqueeze(-1)).sum(-2)  # (..., r)
+        return (self._dvec() * v * v).sum(-1) + (Utv * Utv).sum(-1)
+
+    def inner(self, u: Tensor, v: Tensor) -> Tensor:
+        r""":math:`u^\top G v`, shape [...], for ``u``, ``v`` of shape [..., d]."""
+        u = self._check_vec(u, "u")
+        return (u * self.matvec(v)).sum(-1)
+
+    def solve(self, w: Tensor) -> Tensor:
+        r""":math:`G^{-1} w` by the Woodbury identity.
+
+        Factoring costs :math:`O(d r^2 + r^3)` once per metric (cached), each
+        solve :math:`O(d r)`.
+
+        Parameters
+        ----------
+        w : Tensor, shape [..., d]
+
+        Returns
+        -------
+        Tensor, shape [..., d]
+        """
+        w = self._check_vec(w, "w")
+        dinv = self._dinv()
+        y = dinv * w  # D^{-1} w                                   (..., d)
+        Uty = (self.U * y.unsqueeze(-1)).sum(-2, keepdim=False)  # (..., r)
+        if self.r > 0:
+            z = torch.cholesky_solve(Uty.unsqueeze(-1), self._cholesky()).squeeze(-1)  # (..., r)
+            y = y - dinv * (self.U @ z.unsqueeze(-1)).squeeze(-1)
+        return y
+
+    def logdet(self) -> Tensor:
+        r""":math:`\log\det G = \sum_a \log D_{aa} + \log\det(I_r + U^\top D^{-1} U)`.
+
+        Returns
+        -------
+        Tensor, shape [...] (the metric's batch shape)
+        """
+        if self.delta is None:
+            base = self.d * torch.log(self.lam)
+        else:
+            base = torch.log(self.delta).sum(-1)
+        if self.r == 0:
+            return base.expand(self.batch_shape)
+        L = self._cholesky()
+        lowrank = 2.0 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1)).sum(-1)
+        return (base + lowrank).expand(self.batch_shape)
+
+    def dense(self) -> Tensor:
+        """The dense matrix :math:`G`, shape [..., d, d] (for checking and plots)."""
+        D = torch.diag_embed(self._dvec().expand(*self.batch_shape, self.d))
+        return D + self.U @ self.U.transpose(-1, -2)
+
+    def inverse_dense(self) -> Tensor:
+        r"""The dense inverse :math:`G^{-1}`, shape [..., d, d], via Woodbury in :math:`O(d^2 r)`."""
+        dinv = self._dinv().expand(*self.batch_shape, self.d)
+        out = torch.diag_embed(dinv)
+        if self.r == 0:
+            return out
+        DU = self.U * dinv.unsqueeze(-1)  # D^{-1} U        (..., d, r)
+        Z = torch.cholesky_solve(DU.transpose(-1, -2), self._cholesky())  # C^{-1} U^T D^{-1}   (..., r, d)
+        return out - DU @ Z
+
+    def average(self, other: "LowRankMetric") -> "LowRankMetric":
+        r"""The metric :math:`(G + G')/2` as a low-rank metric of rank :math:`r + r'`.
+
+        :math:`(G+G')/2 = \tfrac{D+D'}{2} + [U, U'] [U, U']^\top / 2`, so the
+        "mean" pair metric of Riemannian attention stays in the family.
+        """
+        if not isinstance(other, LowRankMetric):
+            raise ValueError(f"other must be a LowRankMetric, got {type(other).__name__}")
+        check_same(self.U, "U", [("other.U", other.U)])
+        if other.d != self.d:
+            raise ValueError(f"other has d = {other.d}, expected d = {self.d}")
+        batch = broadcast_batch({"self": self.batch_shape, "other": other.batch_shape})
+        U = torch.cat(
+            [self.U.expand(*batch, self.d, self.r), other.U.expand(*batch, other.d, other.r)], dim=-1
+        ) / math.sqrt(2.0)
+        if self.delta is None and other.delta is None:
+            return LowRankMetric((self.lam + other.lam) / 2, U)
+        delta = (self._dvec() + other._dvec()) / 2
+        return LowRankMetric(None, U, delta=delta.expand(*batch, self.d))
+
+
+class MetricNet(nn.Module):
+    r"""A metric network: token states to per-head metric factors.
+
+    Produces, for every token and head, :math:`U_i \in \mathbb{R}^{d\times r}`
+    by a linear map of the token state, and a learned per-head
+    :math:`\lambda = \mathrm{softplus}(\rho) + \lambda_{\min}`.
+
+    The linear map is initialised with standard deviation
+    ``strength / sqrt(D r)``, so that for unit-variance token states every
+    entry of :math:`U_i` has variance ``strength**2 / r`` and
+    :math:`\mathbb{E}\,\|U_i^\top v\|^2 = \mathrm{strength}^2 \|v\|^2`
+    whatever the rank: at init the metric is :math:`\lambda I` plus a
+    perturbation of comparable size, and ``strength`` sweeps its heterogeneity.
+
+    Parameters
+    ----------
+    d_model : int
+        Width :math:`D` of the token states.
+    n_heads : int
+        Number of heads :math:`h`.
+    head_dim : int
+        Head dimension :math:`d`.
+    rank : int
+        Metric rank :math:`r \ge 0`.
+    lam_init : float
+        Initial :math:`\lambda` (default 1).
+    lam_min : float
+        Floor :math:`\lambda_{\min} > 0` that keeps :math:`G` uniformly SPD.
+    strength : float
+        Multiplies the initial weights: 0 gives :math:`U = 0` at init.
+    diagonal : bool
+        Also produce a per-token diagonal :math:`\delta_i = \lambda\,\mathrm{softplus}(\cdot)/\mathrm{softplus}(0)`
+        for the diagonal-plus-low-rank form.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, rank: int, *,
+                 lam_init: float = 1.0, lam_min: float = 1e-3, strength: float = 1.0,
+                 diagonal: bool = False):
+        super().__init__()
+        for name, val in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim)):
+            if not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+        if not lam_init > lam_min > 0:
+            raise ValueError(f"need lam_init > lam_min > 0, got lam_init={lam_init}, lam_min={lam_min}")
+        self.d_model, self.n_heads, self.head_dim, self.rank = d_model, n_heads, head_dim, rank
+        self.lam_min = lam_min
+        self.diagonal = diagonal
+        self.proj = nn.Linear(d_model, n_heads * head_dim * rank, bias=False) if rank > 0 else None
+        if self.proj is not None:
+            nn.init.normal_(self.proj.weight, std=strength / math.sqrt(d_model * rank))
+        # softplus(rho) + lam_min = lam_init
+        rho = math.log(math.expm1(lam_init - lam_min))
+        self.rho = nn.Parameter(torch.full((n_heads,), rho))
+        self.diag_proj = nn.Linear(d_model, n_heads * head_dim) if diagonal else None
+        if self.diag_proj is not None:
+            nn.init.zeros_(self.diag_proj.weight)
+            nn.init.zeros_(self.diag_proj.bias)
+
+    def lam(self) -> Tensor:
+        """Per-head :math:`\\lambda`, shape [h]."""
+        return nn.functional.softplus(self.rho) + self.lam_min
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+        """Metric factors for every token and head.
+
+        Parameters
+        ----------
+        x : Tensor, shape [B, n, D]
+
+        Returns
+        -------
+        lam : Tensor, shape [h] (broadcasts against the [B, h] batch of q, k)
+        U : Tensor, shape [B, h, n, d, r]
+        delta : Tensor, shape [B, h, n, d] (only when ``diagonal=True``)
+        """
+        x = check_tensor(x, "x", min_dim=3)
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape [B, n, {self.d_model}], got {shape_str(x)}")
+        B, n, _ = x.shape
+        h, d, r = self.n_heads, self.head_dim, self.rank
+        if self.proj is None:
+            U = x.new_zeros(B, h, n, d, 0)
+        else:
+            U = self.proj(x).view(B, n, h, d, r).permute(0, 2, 1, 3, 4)  # (B, h, n, d, r)
+        lam = self.lam()  # (h,)
+        if not self.diagonal:
+            return lam, U
+        raw = self.diag_proj(x).view(B, n, h, d).transpose(1, 2)  # (B, h, n, d)
+        delta = lam.view(h, 1, 1) * nn.functional.softplus(raw) / math.log(2.0)
+        delta = delta + self.lam_min
+        return lam, U, delta

@@ -1,0 +1,221 @@
+r"""Riemannian attention scores: the dense reference.
+
+For query :math:`i` and key :math:`j`, with :math:`\Delta_{ij} = q_i - k_j`,
+
+.. math::
+    s_{ij} = -\frac{\text{scale}}{2}\, \Delta_{ij}^\top \bar G_{ij} \Delta_{ij},
+    \qquad \bar G_{ij} \in \{G_j,\; G_i,\; (G_i + G_j)/2\}
+
+for ``metric_side`` = ``"key"``, ``"query"``, ``"mean"``, with
+:math:`G = \lambda I + U U^\top`. Expanding the square turns every term into a
+matrix product, so no :math:`d\times d` matrix and no ``[n, n, d]``
+difference tensor is ever formed:
+
+.. math::
+    \Delta^\top G_j \Delta = \lambda\big(|q_i|^2 + |k_j|^2 - 2 q_i\!\cdot\! k_j\big)
+      + |U_j^\top q_i|^2 - 2\,(U_j^\top q_i)\!\cdot\!(U_j^\top k_j) + |U_j^\top k_j|^2 .
+
+The pairwise products :math:`U_j^\top q_i` are one matmul of ``q`` with all
+keys' factors side by side, ``r`` times the work of :math:`Q K^\top`. This
+module materialises them (``[..., n_q, n_k, r]``); the blockwise operator in
+:mod:`riemannian_ref.attention` does not.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ._checks import as_positive, broadcast_batch, check_same, check_tensor, shape_str
+
+__all__ = ["riemannian_scores", "dot_product_form", "METRIC_SIDES", "check_score_inputs"]
+
+METRIC_SIDES = ("key", "query", "mean")
+
+
+def _check_U(U: Tensor, name: str, x: Tensor, x_name: str) -> bool:
+    """Validate a metric factor against its side's vectors; True if per-token."""
+    U = check_tensor(U, name, min_dim=2)
+    check_same(x, x_name, [(name, U)])
+    d = x.shape[-1]
+    n = x.shape[-2]
+    if U.dim() == x.dim() + 1:
+        if U.shape[-3] != n or U.shape[-2] != d:
+            raise ValueError(
+                f"{name} must have shape [..., n, d, r] = [..., {n}, {d}, r] to match "
+                f"{x_name} {shape_str(x)} (or [..., d, r] for a shared metric), got {shape_str(U)}"
+            )
+        broadcast_batch({f"{name}.shape[:-3]": U.shape[:-3], f"{x_name}.shape[:-2]": x.shape[:-2]})
+        return True
+    if U.dim() == x.dim():
+        if U.shape[-2] != d:
+            raise ValueError(
+                f"{name} (shared metric) must have shape [..., d, r] with d = {d}, got {shape_str(U)}"
+            )
+        broadcast_batch({f"{name}.shape[:-2]": U.shape[:-2], f"{x_name}.shape[:-2]": x.shape[:-2]})
+        return False
+    raise ValueError(
+        f"{name} must have {x.dim() + 1} dims ([..., n, d, r], per-token) or {x.dim()} dims "
+        f"([..., d, r], shared) to match {x_name} {shape_str(x)}, got {shape_str(U)}"
+    )
+
+
+def check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale):
+    """Validate the common arguments of scores and attention; return (lam, scale, per_q, per_k).
+
+    Raises ``ValueError`` naming the argument on any inconsistency.
+    """
+    q = check_tensor(q, "q", min_dim=2)
+    k = check_tensor(k, "k", min_dim=2)
+    check_same(q, "q", [("k", k)])
+    if q.dim() != k.dim():
+        raise ValueError(f"q and k must have the same number of dims, got q {shape_str(q)}, k {shape_str(k)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the head dimension d, got q {shape_str(q)}, k {shape_str(k)}")
+    broadcast_batch({"q.shape[:-2]": q.shape[:-2], "k.shape[:-2]": k.shape[:-2]})
+    if metric_side not in METRIC_SIDES:
+        raise ValueError(f"metric_side must be one of {METRIC_SIDES}, got {metric_side!r}")
+    need_q = metric_side in ("query", "mean")
+    need_k = metric_side in ("key", "mean")
+    if need_k and U_k is None:
+        raise ValueError(f"metric_side={metric_side!r} needs U_k (the keys' metric factors), got None")
+    if need_q and U_q is None:
+        raise ValueError(f"metric_side={metric_side!r} needs U_q (the queries' metric factors), got None")
+    if not need_k and U_k is not None:
+        raise ValueError(f"U_k is not used with metric_side={metric_side!r}; pass None or choose 'key'/'mean'")
+    if not need_q and U_q is not None:
+        raise ValueError(f"U_q is not used with metric_side={metric_side!r}; pass None or choose 'query'/'mean'")
+    per_q = _check_U(U_q, "U_q", q, "q") if need_q else False
+    per_k = _check_U(U_k, "U_k", k, "k") if need_k else False
+    if need_q and need_k and U_q.shape[-1] != U_k.shape[-1]:
+        # allowed mathematically, but almost always a bug in the caller
+        raise ValueError(
+            f"U_q and U_k must have the same rank r for metric_side='mean', got "
+            f"{U_q.shape[-1]} and {U_k.shape[-1]}"
+        )
+    lam_t = as_positive(lam, "lam", q)
+    broadcast_batch({"lam": lam_t.shape, "q.shape[:-2]": q.shape[:-2]})
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    return lam_t, float(scale), per_q, per_k
+
+
+def _lam_scores(lam: Tensor) -> Tensor:
+    """lam of shape broadcastable to batch dims, made broadcastable to [..., n_q, n_k]."""
+    return lam.unsqueeze(-1).unsqueeze(-1) if lam.dim() > 0 else lam
+
+
+def _lowrank_term(q: Tensor, k: Tensor, U: Tensor, per_token: bool, side: str) -> Tensor:
+    r""":math:`|U^\top (q_i - k_j)|^2` for every pair, shape [..., n_q, n_k]."""
+    if not per_token:
+        # One metric for all tokens: a Euclidean distance of projected vectors.
+        qU = q @ U  # (..., n_q, r)
+        kU = k @ U  # (..., n_k, r)
+        return (qU * qU).sum(-1).unsqueeze(-1) + (kU * kU).sum(-1).unsqueeze(-2) - 2 * qU @ kU.transpose(-1, -2)
+    r = U.shape[-1]
+    if side == "key":
+        n_k, d = U.shape[-3], U.shape[-2]
+        a = (U * k.unsqueeze(-1)).sum(-2)  # U_j^T k_j                       (..., n_k, r)
+        Uflat = U.transpose(-3, -2).reshape(*U.shape[:-3], d, n_k * r)  # (..., d, n_k r)
+        P = (q @ Uflat).unflatten(-1, (n_k, r))  # U_j^T q_i                  (..., n_q, n_k, r)
+        return (P * P).sum(-1) - 2 * (P * a.unsqueeze(-3)).sum(-1) + (a * a).sum(-1).unsqueeze(-2)
+    n_q, d = U.shape[-3], U.shape[-2]
+    b = (U * q.unsqueeze(-1)).sum(-2)  # U_i^T q_i                           (..., n_q, r)
+    Uflat = U.transpose(-3, -2).reshape(*U.shape[:-3], d, n_q * r)  # (..., d, n_q r)
+    P = (k @ Uflat).unflatten(-1, (n_q, r)).transpose(-3, -2)  # U_i^T k_j   (..., n_q, n_k, r)
+    return (b * b).sum(-1).unsqueeze(-1) - 2 * (P * b.unsqueeze(-2)).sum(-1) + (P * P).sum(-1)
+
+
+def riemannian_scores(q: Tensor, k: Tensor, U_q: Tensor | None = None, U_k: Tensor | None = None, *,
+                      lam=1.0, metric_side: str = "key", scale: float | None = None) -> Tensor:
+    r"""Riemannian attention scores :math:`s_{ij} = -\frac{\text{scale}}{2}\,(q_i-k_j)^\top \bar G_{ij} (q_i-k_j)`.
+
+    Parameters
+    ----------
+    q : Tensor, shape [..., n_q, d]
+        Queries.
+    k : Tensor, shape [..., n_k, d]
+        Keys.
+    U_q : Tensor, shape [..., n_q, d, r] or [..., d, r], optional
+        Metric factors of the queries (per token, or one shared metric).
+        Required for ``metric_side`` ``"query"`` and ``"mean"``.
+    U_k : Tensor, shape [..., n_k, d, r] or [..., d, r], optional
+        Metric factors of the keys. Required for ``"key"`` and ``"mean"``.
+    lam : float or Tensor, shape broadcastable to ``q.shape[:-2]``
+        Isotropic part :math:`\lambda > 0` (one per head, say).
+    metric_side : {"key", "query", "mean"}
+        Which metric measures the pair: :math:`G_j`, :math:`G_i` or
+        :math:`(G_i + G_j)/2`.
+    scale : float, optional
+        Defaults to :math:`1/\sqrt{d}` (i.e. :math:`\tau = \sqrt d`).
+
+    Returns
+    -------
+    Tensor, shape [..., n_q, n_k]
+        Scores, to which masks are added before the softmax over keys.
+
+    Notes
+    -----
+    Cost :math:`O(n_q n_k d (1 + r))` for one-sided metrics and
+    :math:`O(n_q n_k d (1 + 2r))` for ``"mean"``; memory
+    :math:`O(n_q n_k r)` for the pairwise rank products. The expansion of the
+    square cancels terms when :math:`q_i \approx k_j`; use float64 where that
+    matters.
+    """
+    lam_t, scale, per_q, per_k = check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale)
+    qq = (q * q).sum(-1).unsqueeze(-1)  # (..., n_q, 1)
+    kk = (k * k).sum(-1).unsqueeze(-2)  # (..., 1, n_k)
+    euclid = qq + kk - 2 * q @ k.transpose(-1, -2)  # |q_i - k_j|^2          (..., n_q, n_k)
+    dist2 = _lam_scores(lam_t) * euclid
+    if metric_side == "key":
+        dist2 = dist2 + _lowrank_term(q, k, U_k, per_k, "key")
+    elif metric_side == "query":
+        dist2 = dist2 + _lowrank_term(q, k, U_q, per_q, "query")
+    else:
+        dist2 = dist2 + 0.5 * (_lowrank_term(q, k, U_k, per_k, "key") + _lowrank_term(q, k, U_q, per_q, "query"))
+    return -0.5 * scale * dist2
+
+
+def dot_product_form(q: Tensor, k: Tensor, U: Tensor, *, lam=1.0, scale: float | None = None
+                     ) -> tuple[Tensor, Tensor]:
+    r"""Rewrite shared-metric Riemannian scores as dot-product scores plus a key bias.
+
+    With one metric :math:`G = \lambda I + U U^\top` for all tokens,
+
+    .. math::
+        -\tfrac{\text{scale}}{2}(q_i-k_j)^\top G (q_i-k_j)
+        = \text{scale}\,(G q_i)^\top k_j \;-\; \tfrac{\text{scale}}{2} k_j^\top G k_j
+          \;-\; \tfrac{\text{scale}}{2} q_i^\top G q_i ,
+
+    and the last term is constant along each softmax row, so it cancels.
+
+    Parameters
+    ----------
+    q : Tensor, shape [..., n_q, d]
+    k : Tensor, shape [..., n_k, d]
+    U : Tensor, shape [..., d, r]
+        The shared metric factor (no token axis).
+    lam : float or Tensor, shape broadcastable to ``q.shape[:-2]``
+    scale : float, optional
+        Defaults to :math:`1/\sqrt d`.
+
+    Returns
+    -------
+    Gq : Tensor, shape [..., n_q, d]
+        The transformed queries :math:`G q_i`.
+    key_bias : Tensor, shape [..., 1, n_k]
+        :math:`-\tfrac{\text{scale}}{2} k_j^\top G k_j`, to add to
+        ``scale * Gq @ k.T``; the result equals the Riemannian scores up to a
+        per-row constant, hence gives the same softmax.
+    """
+    lam_t, scale, _, per_k = check_score_inputs(q, k, None, U, lam, "key", scale)
+    if per_k:
+        raise ValueError(f"U must be a shared metric factor [..., d, r] (no token axis), got {shape_str(U)}")
+    lam_v = lam_t.unsqueeze(-1).unsqueeze(-1) if lam_t.dim() > 0 else lam_t
+    Gq = lam_v * q + (q @ U) @ U.transpose(-1, -2)  # (..., n_q, d)
+    kU = k @ U  # (..., n_k, r)
+    kGk = lam_t.unsqueeze(-1) * (k * k).sum(-1) + (kU * kU).sum(-1)  # (..., n_k)
+    return Gq, (-0.5 * scale * kGk).unsqueeze(-2)
