@@ -123,9 +123,7 @@ def _lift_vector(x: Tensor) -> Tensor:
 def _dense_metrics(U: Tensor, lam: Tensor, per_token: bool) -> Tensor:
     r""":math:`G = \lambda I + U U^\top`, shape [..., (n,) d, d]."""
     d = U.shape[-2]
-    lam_v = lam.reshape(*lam.shape, *((1,) * (3 if per_token else 2)))  # broadcast over (n,) d, d
-    if lam.dim() == 0:
-        lam_v = lam
+    lam_v = lam.reshape(*lam.shape, *((1,) * (3 if per_token else 2)))  # (..., (1,) 1, 1)
     eye = torch.eye(d, dtype=U.dtype, device=U.device)
     return lam_v * eye + U @ U.transpose(-1, -2)
 
@@ -205,7 +203,7 @@ def non_gram_factors(q: Tensor, k: Tensor, U_q: Tensor | None = None, U_k: Tenso
     :math:`d`, not an attention kernel.
     """
     lam_t, scale, per_q, per_k = check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale)
-    # lam per batch element; its batch shape broadcasts with q's (checked above)
+    # every factor is expanded to the common batch shape of all inputs
     batch = broadcast_batch({
         "q.shape[:-2]": q.shape[:-2], "k.shape[:-2]": k.shape[:-2], "lam": lam_t.shape,
         **({"U_q batch": U_q.shape[:-3] if per_q else U_q.shape[:-2]} if U_q is not None else {}),
