@@ -22,7 +22,11 @@ with positions :math:`p` and angular *rates* :math:`\omega_j \in \mathbb{R}^{d/2
 - ``"content"``: :math:`\omega_j = \Theta(x_j)` depends on the source token's
   content: curved in general.
 
-Because every :math:`P` is a rotation, :math:`P^\top = P^{-1}`. Transporting
+Because every :math:`P` is a rotation, :math:`P^\top = P^{-1}`. For the
+content connection, however, the reverse edge is not the inverse:
+:math:`P_{i\to j} P_{j\to i}` turns by :math:`(p_j - p_i)(\omega_i - \omega_j)`,
+since each edge reads its rate at its source; two-edge loops already have
+holonomy. Transporting
 the key's metric along with the key, :math:`G_j \mapsto P G_j P^\top`, gives the
 distance
 
