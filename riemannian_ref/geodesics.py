@@ -13,7 +13,7 @@ modelling choice. This module computes three candidates for two points
 
   .. math:: L_{\mathrm{seg}} = \int_0^1 \sqrt{\delta^\top G(t)\, \delta}\; dt
 
-  (:func:`segment_length`, Gauss--Legendre quadrature);
+  (:func:`segment_length`, closed form or Gauss--Legendre quadrature);
 * the **geodesic distance** of a metric field :math:`G(p)` over the whole
   space (:class:`MetricField`), the infimum of curve lengths
   :math:`\int_0^1 \sqrt{\dot\gamma^\top G(\gamma)\dot\gamma}\,dt` over curves
@@ -144,17 +144,23 @@ def pair_distance(x: Tensor, y: Tensor, metric_x, metric_y, metric_side: str = "
     return q2.clamp_min(0).sqrt()
 
 
-def segment_length(x: Tensor, y: Tensor, metric_x, metric_y, n_points: int = 16) -> Tensor:
+def segment_length(x: Tensor, y: Tensor, metric_x, metric_y, method: str = "closed_form",
+                   n_points: int = 64) -> Tensor:
     r"""Length of the straight segment from ``y`` to ``x`` under the linearly interpolated metric.
 
     .. math::
         L_{\mathrm{seg}} = \int_0^1 \sqrt{\delta^\top \big((1-t) G_y + t G_x\big) \delta}\; dt,
-        \qquad \delta = x - y,
+        \qquad \delta = x - y .
 
-    by ``n_points``-point Gauss--Legendre quadrature. The integrand is the
-    square root of an affine function of :math:`t` that stays positive, so a
-    few nodes already give round-off accuracy. The quantity is symmetric in
-    the pair and, by Jensen's inequality, at most
+    The squared speed :math:`f(t) = (1-t)a + tb` with :math:`a = \delta^\top G_y \delta`,
+    :math:`b = \delta^\top G_x \delta` is affine, so the integral has the closed form
+
+    .. math::
+        L_{\mathrm{seg}} = \tfrac23\,\frac{b^{3/2} - a^{3/2}}{b - a}
+        = \tfrac23\,\frac{a + \sqrt{ab} + b}{\sqrt a + \sqrt b},
+
+    the second form free of cancellation when :math:`a \approx b`. The quantity
+    is symmetric in the pair and, by Jensen's inequality, at most
     ``pair_distance(x, y, metric_x, metric_y, "mean")``.
 
     Parameters
@@ -163,21 +169,34 @@ def segment_length(x: Tensor, y: Tensor, metric_x, metric_y, n_points: int = 16)
         End points (query and key).
     metric_x, metric_y : LowRankMetric or Tensor of shape [..., d, d]
         Metrics at the end points.
+    method : {"closed_form", "quadrature"}
+        The closed form above, or ``n_points``-point Gauss--Legendre
+        quadrature of the integral (a check; it converges slowly when
+        :math:`\min(a, b) \ll \max(a, b)`, where the integrand behaves like
+        :math:`\sqrt t` at one end).
     n_points : int
-        Number of quadrature nodes (>= 1).
+        Quadrature nodes (>= 1), for ``method="quadrature"``.
 
     Returns
     -------
     Tensor, shape [...]
     """
     x, y = _check_points(x, y)
+    if method not in ("closed_form", "quadrature"):
+        raise ValueError(f"method must be 'closed_form' or 'quadrature', got {method!r}")
     n_points = _check_count(n_points, "n_points", 1)
     d = x.shape[-1]
     metric_x = _check_metric(metric_x, "metric_x", d, x)
     metric_y = _check_metric(metric_y, "metric_y", d, x)
     delta = x - y  # (..., d)
-    a = _quad(metric_y, delta)  # value at t = 0   (...)
-    b = _quad(metric_x, delta)  # value at t = 1   (...)
+    a = _quad(metric_y, delta).clamp_min(0)  # squared speed at t = 0   (...)
+    b = _quad(metric_x, delta).clamp_min(0)  # squared speed at t = 1   (...)
+    if method == "closed_form":
+        sa, sb = a.sqrt(), b.sqrt()
+        den = sa + sb
+        # 0/0 only when delta = 0 (then the length is 0)
+        return torch.where(den > 0, (2.0 / 3.0) * (a + sa * sb + b) / den.clamp_min(torch.finfo(x.dtype).tiny),
+                           torch.zeros_like(den))
     t, w = _gauss_legendre(n_points, x)
     vals = ((1 - t) * a.unsqueeze(-1) + t * b.unsqueeze(-1)).clamp_min(0).sqrt()  # (..., n_points)
     return (vals * w).sum(-1)
@@ -535,7 +554,7 @@ class ShortestPath(NamedTuple):
     n_evals: int  #: number of energy evaluations spent
 
 
-def shortest_path(x: Tensor, y: Tensor, field: MetricField, n_points: int = 64, steps: int = 200, *,
+def shortest_path(x: Tensor, y: Tensor, field: MetricField, n_points: int = 64, steps: int = 50, *,
                   method: str = "lbfgs", lr: float | None = None, quad_points: int = 4,
                   init: Tensor | None = None, coarse_to_fine: bool = True) -> ShortestPath:
     r"""Approximate a shortest path from ``x`` to ``y`` by minimising the discretised energy.
@@ -559,7 +578,7 @@ def shortest_path(x: Tensor, y: Tensor, field: MetricField, n_points: int = 64, 
     n_points : int
         Number of vertices, end points included (>= 3).
     steps : int
-        LBFGS: maximum iterations; Adam: number of steps.
+        LBFGS: maximum iterations per level; Adam: number of steps per level.
     method : {"lbfgs", "adam"}
     lr : float, optional
         Step size (default 1 for LBFGS with strong-Wolfe line search, 1e-2 for Adam).

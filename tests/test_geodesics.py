@@ -18,9 +18,8 @@ def _metric(g, batch, d, r, diagonal=False, strength=1.0):
 
 
 def _closed_form_segment(a, b):
-    """int_0^1 sqrt((1-t) a + t b) dt for a, b > 0."""
-    return torch.where((a - b).abs() < 1e-12 * (a + b), a.sqrt(),
-                       2.0 / 3.0 * (b ** 1.5 - a ** 1.5) / (b - a))
+    """int_0^1 sqrt((1-t) a + t b) dt = 2/3 (b^1.5 - a^1.5) / (b - a), in a form stable for a ~ b."""
+    return 2.0 / 3.0 * (a + (a * b).sqrt() + b) / (a.sqrt() + b.sqrt())
 
 
 @pytest.mark.parametrize("side", ["mean", "query", "key"])
@@ -41,6 +40,8 @@ def test_segment_length_of_constant_metric_is_pair_distance(gen, diagonal):
     M = _metric(gen, (7,), 4, 3, diagonal)
     x, y = torch.randn(7, 4, generator=gen, dtype=F64), torch.randn(7, 4, generator=gen, dtype=F64)
     L = rr.segment_length(x, y, M, M)
+    torch.testing.assert_close(rr.segment_length(x, y, M, M, method="quadrature", n_points=3), L,
+                               rtol=1e-13, atol=1e-13)
     for side in ("mean", "query", "key"):
         torch.testing.assert_close(L, rr.pair_distance(x, y, M, M, side), rtol=1e-13, atol=1e-13)
 
@@ -49,8 +50,10 @@ def test_segment_length_matches_closed_form_and_is_symmetric(gen):
     Mx, My = _metric(gen, (20,), 3, 2, strength=2.0), _metric(gen, (20,), 3, 2)
     x, y = torch.randn(20, 3, generator=gen, dtype=F64), torch.randn(20, 3, generator=gen, dtype=F64)
     a, b = My.quad(x - y), Mx.quad(x - y)
-    torch.testing.assert_close(rr.segment_length(x, y, Mx, My, n_points=32), _closed_form_segment(a, b),
-                               rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(rr.segment_length(x, y, Mx, My), _closed_form_segment(a, b), rtol=1e-13, atol=0)
+    quad = rr.segment_length(x, y, Mx, My, method="quadrature", n_points=64)
+    torch.testing.assert_close(quad, _closed_form_segment(a, b), rtol=1e-5, atol=0)
+    assert rr.segment_length(x[0], x[0], Mx.dense()[0], My.dense()[0]) == 0
     torch.testing.assert_close(rr.segment_length(x, y, Mx, My), rr.segment_length(y, x, My, Mx),
                                rtol=1e-13, atol=1e-13)
 
@@ -195,7 +198,9 @@ def test_bad_inputs_name_the_argument(gen):
     with pytest.raises(ValueError, match="y has dtype"):
         rr.segment_length(x, y.float(), M, M)
     with pytest.raises(ValueError, match="n_points"):
-        rr.segment_length(x, y, M, M, n_points=0)
+        rr.segment_length(x, y, M, M, method="quadrature", n_points=0)
+    with pytest.raises(ValueError, match="method"):
+        rr.segment_length(x, y, M, M, method="simpson")
     with pytest.raises(ValueError, match="anchors"):
         rr.MetricField(torch.zeros(2, dtype=F64), M)
     with pytest.raises(ValueError, match="metrics"):
