@@ -134,6 +134,8 @@ def pair_distance(x: Tensor, y: Tensor, metric_x, metric_y, metric_side: str = "
     d = x.shape[-1]
     metric_x = _check_metric(metric_x, "metric_x", d, x)
     metric_y = _check_metric(metric_y, "metric_y", d, x)
+    broadcast_batch({"x.shape[:-1]": x.shape[:-1], "y.shape[:-1]": y.shape[:-1],
+                     "metric_x batch": _metric_batch(metric_x), "metric_y batch": _metric_batch(metric_y)})
     delta = x - y  # (..., d)
     if metric_side == "query":
         q2 = _quad(metric_x, delta)
@@ -188,6 +190,8 @@ def segment_length(x: Tensor, y: Tensor, metric_x, metric_y, method: str = "clos
     d = x.shape[-1]
     metric_x = _check_metric(metric_x, "metric_x", d, x)
     metric_y = _check_metric(metric_y, "metric_y", d, x)
+    broadcast_batch({"x.shape[:-1]": x.shape[:-1], "y.shape[:-1]": y.shape[:-1],
+                     "metric_x batch": _metric_batch(metric_x), "metric_y batch": _metric_batch(metric_y)})
     delta = x - y  # (..., d)
     a = _quad(metric_y, delta).clamp_min(0)  # squared speed at t = 0   (...)
     b = _quad(metric_x, delta).clamp_min(0)  # squared speed at t = 1   (...)

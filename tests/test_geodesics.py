@@ -193,6 +193,8 @@ def test_bad_inputs_name_the_argument(gen):
         rr.pair_distance(x, y, M3, M)
     with pytest.raises(ValueError, match="metric_y"):
         rr.pair_distance(x, y, M, torch.eye(3, dtype=F64))
+    with pytest.raises(ValueError, match="metric_y batch"):
+        rr.pair_distance(x, y, M, torch.eye(2, dtype=F64).expand(3, 2, 2))
     with pytest.raises(ValueError, match="x and y"):
         rr.pair_distance(x, torch.ones(3, dtype=F64), M, M)
     with pytest.raises(ValueError, match="y has dtype"):
