@@ -7,9 +7,11 @@ from .metrics import *  # noqa: F401,F403
 from .scores import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
 from .theory import *  # noqa: F401,F403
+from .geodesics import *  # noqa: F401,F403
 from .connections import *  # noqa: F401,F403
 from .model import *  # noqa: F401,F403
+from .plotting import *  # noqa: F401,F403
 
-from . import metrics, scores, attention, theory, connections, model  # noqa: F401
+from . import metrics, scores, attention, theory, geodesics, connections, model, plotting  # noqa: F401
 
 __version__ = "0.1.0"
