@@ -9,7 +9,9 @@ files itself from ``_static/`` (``_config.yml`` points ``mathjax_path`` and
 downloads the exact tarballs pinned in ``assets/vendor.lock.json``, checks
 each against its npm ``integrity`` hash (sha512), and unpacks only the files
 listed there into ``assets/vendor/`` (git-ignored), which Sphinx copies into
-``_build/html/_static/``.
+``_build/html/_static/``. The files are used as published, unmodified; the
+glue the book needs (module paths, MathJax 3 for widget labels) is the
+book's own ``assets/static/rr-widgets-offline.js``.
 
 Usage (``python3 dev.py setup`` and ``python3 dev.py book`` run it)::
 
@@ -41,13 +43,11 @@ LOCK = HERE / "vendor.lock.json"
 NOTICES = HERE / "THIRD_PARTY_NOTICES.md"  # served beside the files it covers
 DEST = HERE / "vendor"
 STAMP = DEST / ".lock-sha256"
-PATCH_VERSION = "1"  # bump when _patch_* changes, so caches are rebuilt
 
 
 def _want() -> str:
     h = hashlib.sha256(LOCK.read_bytes())
     h.update(NOTICES.read_bytes())
-    h.update(PATCH_VERSION.encode())
     return h.hexdigest()
 
 
@@ -89,30 +89,6 @@ def _select(members: list[tarfile.TarInfo], rules: list[list[str]]) -> list[tupl
     return out
 
 
-def _patch_webpack_public_path(path: Path) -> None:
-    """Load the widget manager's font files from beside the script.
-
-    The bundle is built with webpack ``publicPath = ""``, so its Font Awesome
-    fonts would be requested relative to each *page* (``chapters/x.woff2``)
-    rather than to the script. Record the script's own folder while it is
-    being parsed (``document.currentScript``) and use that instead.
-    """
-    text = path.read_text(encoding="utf-8")
-    n = text.count('.p=""')
-    if n == 0:
-        raise RuntimeError(f"{path}: no webpack publicPath to patch; check the new version")
-    text = text.replace('.p=""', ".p=__rrWidgetsBase")
-    # Source maps are not shipped; drop the comments that point at them.
-    text = "\n".join(line for line in text.splitlines()
-                     if not line.startswith("//# sourceMappingURL="))
-    head = ("var __rrWidgetsBase=(document.currentScript&&document.currentScript.src||"
-            "\"\").replace(/[^\\/]*$/,\"\");\n")
-    path.write_text(head + text + "\n", encoding="utf-8")
-
-
-PATCHES = {"webpack_public_path": _patch_webpack_public_path}
-
-
 def fetch(force: bool = False) -> Path:
     """Make ``assets/vendor/`` match the lock file; return its path."""
     want = _want()
@@ -134,10 +110,6 @@ def fetch(force: bool = False) -> Path:
                         raise RuntimeError(f"unsafe path {dst!r} in the lock file")
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(tar.extractfile(member).read())
-            if "patch" in pkg:
-                for js in tmp.rglob("*.js"):
-                    if js.name == "embed-amd.js":
-                        PATCHES[pkg["patch"]](js)
         shutil.copy(NOTICES, tmp / NOTICES.name)
         (tmp / STAMP.name).write_text(want + "\n")
         shutil.rmtree(DEST, ignore_errors=True)

@@ -94,9 +94,14 @@ INSPECT = r"""
     mathNodes: mathNodes.length,
     mathUntypeset: mathNodes.filter(e => !e.querySelector('mjx-container'))
                              .map(e => e.textContent.trim().slice(0, 80)),
-    mathErrors: [...document.querySelectorAll('mjx-merror')].map(e => e.textContent.slice(0, 80))
-      .concat([...document.querySelectorAll('mjx-mtext')].map(e => e.textContent)
-              .filter(t => /^\\[A-Za-z]+$/.test(t)).map(t => 'undefined macro ' + t)),
+    // A TeX error becomes <mjx-merror data-mjx-error=...>; an undefined macro
+    // is drawn in red (CHTML glyphs have no text; the hidden MathML does).
+    mathErrors: [...document.querySelectorAll('mjx-merror')]
+      .map(e => 'TeX error: ' + (e.getAttribute('data-mjx-error') || e.textContent).slice(0, 80))
+      .concat([...document.querySelectorAll('mjx-container')]
+        .filter(c => c.querySelector('mjx-mtext[style*="color: red"]'))
+        .map(c => 'undefined macro: ' + ([...c.querySelectorAll('mtext[mathcolor="red"]')]
+          .map(e => e.textContent).join(' ') || '(red text in formula)'))),
     mjxContainers: document.querySelectorAll('mjx-container').length,
     rawTex,
     images: [...document.images].map(i => ({src: i.getAttribute('src'), ok: i.complete && i.naturalWidth > 0})),
