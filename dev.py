@@ -114,12 +114,34 @@ def fetch_assets() -> None:
     _run([sys.executable, ROOT / "assets" / "fetch_vendor.py"])
 
 
+def _static_stamp() -> str:
+    """Hash of what the build copies into _static/ from assets/."""
+    h = hashlib.sha256()
+    for path in sorted((ROOT / "assets").rglob("*")):
+        rel = path.relative_to(ROOT / "assets").parts
+        if path.is_file() and rel[0] != "vendor" and "__pycache__" not in rel:
+            h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
+    vendor_stamp = ROOT / "assets" / "vendor" / ".lock-sha256"
+    if vendor_stamp.exists():
+        h.update(vendor_stamp.read_bytes())
+    return h.hexdigest()
+
+
 def build_book(strict: bool) -> None:
     fetch_assets()
+    # Sphinx copies static files only when some page is rewritten, and never
+    # over an existing file: when the offline assets or the book's own JS or
+    # Sphinx extension change, start from a clean output.
+    stamp_file = ROOT / "_build" / ".assets-stamp"
+    stamp = _static_stamp()
+    if not stamp_file.exists() or stamp_file.read_text() != stamp:
+        shutil.rmtree(ROOT / "_build" / "html", ignore_errors=True)
+        shutil.rmtree(ROOT / "_build" / ".doctrees", ignore_errors=True)
     args = [BIN / "jupyter-book", "build", ".", "--path-output", "."]
     if strict:
         args += ["-W", "-n", "--keep-going"]
     _run(args)
+    stamp_file.write_text(stamp)
     print(f"book: {ROOT / '_build' / 'html' / 'index.html'}", flush=True)
 
 

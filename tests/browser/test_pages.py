@@ -56,9 +56,11 @@ INSPECT = r"""
   const deadline = Date.now() + %(timeout_ms)d;
   const mathNodes = [...document.querySelectorAll('.math')];
 
-  // MathJax: present on pages with math; wait for the first typeset.
+  // MathJax: present on pages with math; its deferred script has run by the
+  // load event, so a short wait is enough; then wait for the first typeset.
+  const mjDeadline = Math.min(deadline, Date.now() + 5000);
   while (mathNodes.length && !(window.MathJax && MathJax.startup && MathJax.startup.promise)
-         && Date.now() < deadline) await sleep(100);
+         && Date.now() < mjDeadline) await sleep(100);
   if (window.MathJax && MathJax.startup && MathJax.startup.promise) await MathJax.startup.promise;
 
   // Widgets: one view script per displayed widget; the manager renders each
@@ -70,7 +72,9 @@ INSPECT = r"""
     const w = box && box.querySelector('.jupyter-widgets, .widget-subarea > *, .lm-Widget');
     return !!w && w.getBoundingClientRect().height > 0;
   };
-  while (hasState && views.some(s => !rendered(s)) && Date.now() < deadline) await sleep(200);
+  // (No wait when the manager never loaded: nothing would render.)
+  while (hasState && window.require && views.some(s => !rendered(s)) && Date.now() < deadline)
+    await sleep(200);
   if (window.MathJax && MathJax.typesetPromise && hasState) await MathJax.typesetPromise();
 
   // Images: load lazy ones too, then wait for every decode to settle.
