@@ -217,5 +217,16 @@ class Page:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(base64.b64decode(res["data"]))
 
+    def screenshot_region(self, path: Path, box: dict, margin: int = 16) -> None:
+        """PNG of one region of the page (document coordinates, CSS pixels)."""
+        clip = {"x": max(0.0, box["x"] - margin), "y": max(0.0, box["y"] - margin),
+                "width": min(box["width"] + 2 * margin, self.browser.width),
+                "height": min(box["height"] + 2 * margin, 4000), "scale": 1}
+        res = self.browser.send("Page.captureScreenshot",
+                                {"format": "png", "captureBeyondViewport": True, "clip": clip},
+                                session=self.session)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(res["data"]))
+
     def close(self) -> None:
         self.browser.send("Target.closeTarget", {"targetId": self.target})

@@ -14,7 +14,8 @@ sent to a closed port. A page passes when
 * where the page carries saved widget state, every widget view has rendered
   to widget DOM elements.
 
-A screenshot of each page goes to ``_build/screenshots/`` for review.
+A screenshot of each page goes to ``_build/screenshots/`` for review, with a
+close-up of each rendered widget.
 
 ``python3 dev.py test`` runs this after it has built the book. The tests are
 skipped only when no Chromium binary is found (``RR_CHROMIUM`` may name one);
@@ -113,6 +114,11 @@ INSPECT = r"""
     widgetViews: views.length,
     widgetsNotRendered: views.filter(s => !rendered(s)).length,
     widgetElements: document.querySelectorAll('.jupyter-widgets').length,
+    // Where each rendered widget sits on the page, for a close-up screenshot.
+    widgetBoxes: views.filter(rendered).map(s => {
+      const r = s.parentElement.getBoundingClientRect();
+      return {x: r.left + window.scrollX, y: r.top + window.scrollY, width: r.width, height: r.height};
+    }),
   };
 })()
 """
@@ -151,8 +157,10 @@ def test_page_reads_offline(browser, page):
     tab = browser.open((HTML / page).as_uri(), timeout=TIMEOUT_S)
     try:
         info = tab.evaluate(INSPECT % {"timeout_ms": TIMEOUT_S * 1000}, timeout=TIMEOUT_S + 30)
-        shot = SHOTS / (page.removesuffix(".html").replace("/", "__") + ".png")
-        tab.screenshot(shot)
+        stem = page.removesuffix(".html").replace("/", "__")
+        tab.screenshot(SHOTS / f"{stem}.png")
+        for i, box in enumerate(info["widgetBoxes"]):  # widgets further down than the cut
+            tab.screenshot_region(SHOTS / f"{stem}__widget{i}.png", box)
         errors = tab.console_errors()
         failed = tab.failed_loads()
         external = tab.external_requests()
