@@ -12,6 +12,12 @@ Usage (from the repository root, with only Python >= 3.10 and pip):
 
 The virtual environment is rebuilt when requirements.txt or pyproject.toml
 change (a hash stamp in .venv). Nothing here needs a GPU.
+
+The book serves MathJax, require.js and the Jupyter widget manager itself, so
+that it reads offline: `book` and `test` fetch them once from the npm registry
+(versions and hashes pinned in assets/vendor.lock.json) into assets/vendor/.
+`setup` and `test` also install Debian's `chromium` for the browser test
+(tests/browser) when it is missing and they run as root with apt-get.
 """
 from __future__ import annotations
 
@@ -72,11 +78,70 @@ def setup() -> None:
     STAMP.write_text(want)
 
 
+def ensure_chromium() -> None:
+    """Install Chromium for the browser test where we can; never fail.
+
+    Only as root on a system with apt-get (a CI container, a fresh VM); any
+    other system gets the test skipped with a message saying what is missing.
+    """
+    names = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+    if os.environ.get("RR_CHROMIUM") or any(shutil.which(n) for n in names):
+        return
+    if os.name != "posix" or os.geteuid() != 0 or not shutil.which("apt-get"):
+        print("no Chromium found: the browser test will be skipped "
+              "(install `chromium`, or set RR_CHROMIUM to a Chrome/Chromium binary)", flush=True)
+        return
+    print("installing chromium for the browser test (apt-get, quiet)", flush=True)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"]
+    for cmd in (install, ["apt-get", "update", "-qq"], install):
+        try:
+            done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            print(f"could not install chromium ({exc}); the browser test will be skipped",
+                  flush=True)
+            return
+        if cmd is install and done.returncode == 0:
+            return
+    print("could not install chromium (apt-get: "
+          f"{done.stderr.strip().splitlines()[-1:] or done.returncode}); "
+          "the browser test will be skipped", flush=True)
+
+
+def fetch_assets() -> None:
+    """MathJax, require.js and the widget manager into assets/vendor/ (once)."""
+    _run([sys.executable, ROOT / "assets" / "fetch_vendor.py"])
+
+
+def _static_stamp() -> str:
+    """Hash of what the build copies into _static/ from assets/."""
+    h = hashlib.sha256()
+    for path in sorted((ROOT / "assets").rglob("*")):
+        rel = path.relative_to(ROOT / "assets").parts
+        if path.is_file() and rel[0] != "vendor" and "__pycache__" not in rel:
+            h.update(str(path.relative_to(ROOT)).encode() + path.read_bytes())
+    vendor_stamp = ROOT / "assets" / "vendor" / ".lock-sha256"
+    if vendor_stamp.exists():
+        h.update(vendor_stamp.read_bytes())
+    return h.hexdigest()
+
+
 def build_book(strict: bool) -> None:
+    fetch_assets()
+    # Sphinx copies static files only when some page is rewritten, and never
+    # over an existing file: when the offline assets or the book's own JS or
+    # Sphinx extension change, start from a clean output.
+    stamp_file = ROOT / "_build" / ".assets-stamp"
+    stamp = _static_stamp()
+    if not stamp_file.exists() or stamp_file.read_text() != stamp:
+        shutil.rmtree(ROOT / "_build" / "html", ignore_errors=True)
+        shutil.rmtree(ROOT / "_build" / ".doctrees", ignore_errors=True)
     args = [BIN / "jupyter-book", "build", ".", "--path-output", "."]
     if strict:
         args += ["-W", "-n", "--keep-going"]
     _run(args)
+    stamp_file.write_text(stamp)
     print(f"book: {ROOT / '_build' / 'html' / 'index.html'}", flush=True)
 
 
@@ -114,6 +179,8 @@ def main(argv: list[str]) -> int:
         return 2
     cmd, rest = argv[0], argv[1:]
     setup()
+    if cmd in {"setup", "test"}:
+        ensure_chromium()
     if cmd == "book":
         build_book(strict=False)
     elif cmd == "test":

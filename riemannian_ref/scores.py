@@ -31,6 +31,8 @@ from ._checks import as_positive, broadcast_batch, check_same, check_tensor, sha
 
 __all__ = ["riemannian_scores", "dot_product_form", "METRIC_SIDES", "check_score_inputs"]
 
+#: The accepted values of ``metric_side``: whose metric :math:`\bar G_{ij}` a
+#: score uses, the key's :math:`G_j`, the query's :math:`G_i` or their mean.
 METRIC_SIDES = ("key", "query", "mean")
 
 
@@ -62,9 +64,30 @@ def _check_U(U: Tensor, name: str, x: Tensor, x_name: str) -> bool:
 
 
 def check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale):
-    """Validate the common arguments of scores and attention; return (lam, scale, per_q, per_k).
+    r"""Validate the common arguments of scores and attention; return (lam, scale, per_q, per_k).
 
     Raises ``ValueError`` naming the argument on any inconsistency.
+
+    Parameters
+    ----------
+    q, k : Tensor, shape [..., n_q, d] and [..., n_k, d]
+        Queries and keys; batch dimensions must broadcast.
+    U_q, U_k : Tensor or None, shape [..., n, d, r] (per token) or [..., d, r] (shared)
+        Metric factors of the side(s) that ``metric_side`` uses; ``None`` otherwise.
+    lam : float or Tensor, shape broadcastable to ``q.shape[:-2]``
+        Isotropic part :math:`\lambda > 0`.
+    metric_side : {"key", "query", "mean"}
+        See :data:`METRIC_SIDES`.
+    scale : float or None
+        Positive score scale; ``None`` means :math:`1/\sqrt d`.
+
+    Returns
+    -------
+    lam : Tensor, shape broadcastable to ``q.shape[:-2]``
+        ``lam`` as a positive tensor on ``q``'s device and dtype.
+    scale : float
+    per_q, per_k : bool
+        Whether ``U_q`` / ``U_k`` are per-token (``[..., n, d, r]``).
     """
     q = check_tensor(q, "q", min_dim=2)
     k = check_tensor(k, "k", min_dim=2)
