@@ -18,9 +18,15 @@ The attention of a layer is one of
   :math:`G = \lambda I + U U^\top` per head, the same for every token;
 - ``"hetero"``: Riemannian attention with per-token metrics
   :math:`G_i = \lambda I + U_i U_i^\top` from a :class:`~riemannian_ref.MetricNet`
-  (``metric_side`` key / query / mean, rank ``r``, heterogeneity ``strength``).
+  (``metric_side`` key / query / mean, rank ``r``, heterogeneity ``strength``);
+- ``"fiber"``: the same per-token metrics, with keys, key metrics and values
+  parallel-transported to the query's fibre by a connection
+  (:func:`~riemannian_ref.connection_attention`: ``"trivial"``, ``"flat"``
+  (rotary), ``"content"`` with rates :math:`\omega_j = W_\theta x_j`).
 
-Every variant is row-stochastic: :math:`A_l \mathbf 1 = \mathbf 1`.
+Every attention matrix is row-stochastic, :math:`A_l \mathbf 1 = \mathbf 1`.
+With a non-trivial connection the *output* is no longer :math:`A V`: the
+values are rotated per (query, key) pair, :math:`o_i = \sum_j A_{ij} P_{j\to i} v_j`.
 
 The module also holds the small toy task used to look at the profile after a
 short training run (:class:`HistogramTask`, :class:`StackClassifier`,
@@ -36,6 +42,7 @@ from torch import Tensor, nn
 
 from ._checks import check_tensor, shape_str
 from .attention import riemannian_attention_reference
+from .connections import CONNECTIONS, connection_attention
 from .metrics import MetricNet
 from .scores import METRIC_SIDES
 
@@ -50,7 +57,7 @@ __all__ = [
     "train_classifier",
 ]
 
-ATTENTIONS = ("euclidean", "shared", "hetero")
+ATTENTIONS = ("euclidean", "shared", "hetero", "fiber")
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,8 @@ class StackConfig:
     layer_norm: bool = False  # pre-norm LayerNorm before attention (and MLP)
     mlp_ratio: int = 4  # hidden width of the MLP = mlp_ratio * D
     qk_gain: float = 1.0  # multiplies W_Q and W_K at init: sharper (>1) or flatter (<1) attention
+    connection: str = "trivial"  # "trivial" | "flat" | "content" (fiber only)
+    rate_scale: float = 0.1  # std of the content connection's rates omega_j = W_theta x_j at init
 
     def __post_init__(self):
         for name in ("d_model", "n_heads", "depth", "mlp_ratio"):
@@ -86,6 +95,10 @@ class StackConfig:
             raise ValueError(f"rank must be an int >= 0, got {self.rank!r}")
         if self.attention == "shared" and self.rank == 0:
             raise ValueError("attention='shared' needs rank >= 1 (rank 0 is 'hetero' with strength 0)")
+        if self.connection not in CONNECTIONS:
+            raise ValueError(f"connection must be one of {CONNECTIONS}, got {self.connection!r}")
+        if self.attention == "fiber" and self.head_dim % 2:
+            raise ValueError(f"attention='fiber' rotates pairs: head_dim must be even, got {self.head_dim}")
         if not self.qk_gain > 0:
             raise ValueError(f"qk_gain must be > 0, got {self.qk_gain!r}")
         if not self.strength >= 0:
@@ -122,8 +135,12 @@ class AttentionLayer(nn.Module):
             self.qkv.weight[: 2 * D].mul_(cfg.qk_gain)  # rows of W_Q and W_K
         self.metric = None
         self.U_shared = None
-        if cfg.attention == "hetero":
+        self.rates = None
+        if cfg.attention in ("hetero", "fiber"):
             self.metric = MetricNet(D, h, d, r, lam_init=cfg.lam_init, strength=cfg.strength)
+        if cfg.attention == "fiber" and cfg.connection == "content":
+            self.rates = nn.Linear(D, h * (d // 2), bias=False)  # omega_j = W_theta x_j
+            nn.init.normal_(self.rates.weight, std=cfg.rate_scale / math.sqrt(D))
         elif cfg.attention == "shared":
             # Same scale as MetricNet's per-token factors: entries of variance strength^2 / r.
             self.U_shared = nn.Parameter(torch.randn(h, d, r) * (cfg.strength / math.sqrt(r)))
@@ -160,8 +177,15 @@ class AttentionLayer(nn.Module):
             side = cfg.metric_side
             U_q = U if side in ("query", "mean") else None
             U_k = U if side in ("key", "mean") else None
-            o, A = riemannian_attention_reference(q, k, v, U_q, U_k, lam=lam, metric_side=side,
-                                                  return_weights=True)
+            if cfg.attention == "hetero":
+                o, A = riemannian_attention_reference(q, k, v, U_q, U_k, lam=lam, metric_side=side,
+                                                      return_weights=True)
+            else:
+                theta = None
+                if self.rates is not None:
+                    theta = self.rates(x).view(B, n, h, d // 2).transpose(1, 2)  # (B, h, n, d/2)
+                o, A = connection_attention(q, k, v, U_q, U_k, lam=lam, metric_side=side,
+                                            connection=cfg.connection, theta=theta, return_weights=True)
         y = self.out(o.transpose(1, 2).reshape(B, n, D))  # (B, n, D)
         return y, A
 
