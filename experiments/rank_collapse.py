@@ -191,13 +191,15 @@ def main(argv=None) -> None:
     train_variants = {k: full[k] for k in args.train_variants}
     jobs = init_jobs(args, variants)
     total = len(jobs) * args.seeds + len(args.train_archs) * len(train_variants) * args.train_seeds
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with tqdm(total=total, desc="stacks") as bar:
         init = run_init(args, variants, jobs, bar)
         trained = run_trained(args, train_variants, args.train_archs, bar) if args.train_steps > 0 else {}
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     meta = {
         "wall_s": round(wall, 1),
+        # CPU time of this (single-threaded) process: what the wall time would be on an idle core
+        "cpu_s": round(cpu, 1),
         "seeds": args.seeds, "depth": args.depth, "n": args.n, "d_model": args.d_model, "heads": args.heads,
         "batch": args.batch, "dtype": "float64", "input": "iid N(0, 1) token states", "gains": args.gains,
         "euclid_gains": args.euclid_gains,
