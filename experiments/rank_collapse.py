@@ -76,7 +76,7 @@ def profile(H: torch.Tensor, W: torch.Tensor | None) -> dict[str, list[float]]:
         P = rr.attention_path_products(W)  # (L, B, n, n)
         path = _log10(rr.relative_residual(P, "fro")).mean(-1)  # (L,)
         out["log10_path_res"] = torch.cat([torch.zeros(1, dtype=path.dtype), path])  # depth 0: identity
-    return {k: [round(float(x), 5) for x in v] for k, v in out.items()}
+    return {k: [round(float(x), 3) for x in v] for k, v in out.items()}
 
 
 def init_jobs(args, variants):
