@@ -12,8 +12,9 @@ from .connections import *  # noqa: F401,F403
 from .model import *  # noqa: F401,F403
 from .diagnostics import *  # noqa: F401,F403
 from .stacks import *  # noqa: F401,F403
+from .intrinsic import *  # noqa: F401,F403
 from .plotting import *  # noqa: F401,F403
 
-from . import metrics, scores, attention, theory, geodesics, connections, model, diagnostics, stacks, plotting  # noqa: F401
+from . import metrics, scores, attention, theory, geodesics, connections, model, diagnostics, stacks, intrinsic, plotting  # noqa: F401
 
 __version__ = "0.1.0"
