@@ -6,7 +6,10 @@ re-exported here; each module is named after the mathematics it implements.
 from .metrics import *  # noqa: F401,F403
 from .scores import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
+from .manifolds import *  # noqa: F401,F403
+from .optim import *  # noqa: F401,F403
+from .tiny_transformer import *  # noqa: F401,F403
 
-from . import metrics, scores, attention  # noqa: F401
+from . import metrics, scores, attention, manifolds, optim, tiny_transformer  # noqa: F401
 
 __version__ = "0.1.0"
