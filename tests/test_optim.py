@@ -220,7 +220,7 @@ def test_low_rank_adam_fits_a_rank_r_target(gen, geometry):
     start = (A @ B.T - Y).square().sum().item()
     for k in range(400):
         for group in opt.param_groups:
-            group["lr"] = 0.05 * (1 - k / 400) + 1e-3
+            group["lr"] = 0.1 * (1 - k / 400) + 1e-3
         opt.zero_grad()
         loss = 0.5 * (A @ B.T - Y).square().sum()
         loss.backward()
