@@ -20,7 +20,7 @@ geometry's lr (a Frobenius step length per matrix) on ``--geo-grid``. The best
 lr of each arm is then rerun with the remaining seeds. Weight decay is 0 for
 all arms (short runs; it would act differently on each parametrisation).
 
-Writes ``results/rank_factored.json``. Run (15 runs of 300 steps, about 5 min on
+Writes ``results/rank_factored.json``. Run (19 runs of 300 steps, about 6 min on
 one idle core; `--arms` adds ``stiefel``):
     nice -n 10 python experiments/rank_factored.py
 """
@@ -116,8 +116,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--adamw-grid", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
-    ap.add_argument("--geo-grid", type=float, nargs="+", default=[0.03, 0.1, 0.3])
+    ap.add_argument("--adamw-grid", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1])
+    ap.add_argument("--geo-grid", type=float, nargs="+", default=[0.1, 0.3, 1.0, 3.0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--arms", nargs="+", default=["adamw", "embedded", "factored"], choices=ARMS)
     ap.add_argument("--threads", type=int, default=1)
