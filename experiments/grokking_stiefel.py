@@ -17,8 +17,8 @@ Writes ``results/grokking_stiefel.json``: per arm and seed the validation and
 training accuracy over steps, the distance of the frames from initialisation,
 final numbers, the wall time and the arguments.
 
-Run (9 runs of 1500 steps, about 6 min on one idle CPU core; `--arms` adds
-``stiefel_lrx``):
+Run (9 runs of 1500 steps; 16 min measured on one thread of the shared, busy
+2-core machine -- the JSON records it; `--arms stiefel_lrx` adds the fourth arm):
     nice -n 10 python experiments/grokking_stiefel.py
 """
 from __future__ import annotations

@@ -20,8 +20,8 @@ geometry's lr (a Frobenius step length per matrix) on ``--geo-grid``. The best
 lr of each arm is then rerun with the remaining seeds. Weight decay is 0 for
 all arms (short runs; it would act differently on each parametrisation).
 
-Writes ``results/rank_factored.json``. Run (19 runs of 300 steps, about 6 min on
-one idle core; `--arms` adds ``stiefel``):
+Writes ``results/rank_factored.json``. Run (19 runs of 300 steps; 7 min measured on
+one thread of the shared, busy 2-core machine; `--arms` adds ``stiefel``):
     nice -n 10 python experiments/rank_factored.py
 """
 from __future__ import annotations
