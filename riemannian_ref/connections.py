@@ -121,7 +121,23 @@ def _rotate_cs(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
 
 
 def block_rotation_matrix(angles: Tensor) -> Tensor:
-    """Dense block-diagonal rotation, shape [..., d, d] from angles [..., d/2] (for checks and plots)."""
+    r"""Dense block-diagonal rotation matrix with the given pair angles (for checks and plots).
+
+    Block :math:`m` (rows and columns :math:`2m, 2m+1`) is
+    :math:`\begin{pmatrix} \cos\phi_m & -\sin\phi_m \\ \sin\phi_m & \cos\phi_m \end{pmatrix}`,
+    so ``block_rotation_matrix(angles) @ x`` equals ``rotate_pairs(x, angles)``.
+
+    Parameters
+    ----------
+    angles : Tensor, shape [..., d/2]
+        Angles :math:`\phi_m` of the pairs :math:`(x_{2m}, x_{2m+1})`.
+
+    Returns
+    -------
+    Tensor, shape [..., d, d]
+        The rotation, dtype and device of ``angles``; :math:`O(d^2)` memory
+        per batch entry, which :func:`rotate_pairs` avoids.
+    """
     half = angles.shape[-1]
     d = 2 * half
     eye = torch.eye(d, dtype=angles.dtype, device=angles.device)
@@ -161,13 +177,37 @@ def transport_angles(rates: Tensor, positions: Tensor) -> Tensor:
 
 def connection_rates(connection: str, n: int, d: int, *, theta: Tensor | None = None,
                      like: Tensor) -> Tensor:
-    r"""Per-token rates :math:`\omega_j` of a connection, shape [..., n, d/2].
+    r"""Per-token rates :math:`\omega_j` of a connection, shape [n, d/2] or [..., n, d/2].
 
     ``"trivial"`` gives zeros; ``"flat"`` the rotary frequencies (``theta``,
     shape [d/2], default base 10000) repeated for every token; ``"content"``
     returns ``theta`` itself, which must then be given per token,
     shape [..., n, d/2]. Used by the diagnostics, which need rates for all
     three connections.
+
+    Parameters
+    ----------
+    connection : {"trivial", "flat", "content"}
+        Which connection (one of ``CONNECTIONS``).
+    n : int
+        Number of tokens.
+    d : int
+        Head dimension; must be even (the rotations act on pairs).
+    theta : Tensor, optional
+        ``"flat"``: rotary rates, shape [d/2] (default
+        :func:`rotary_frequencies` with base 10000). ``"content"``: the
+        per-token rates, shape [..., n, d/2] (required). Ignored by
+        ``"trivial"``.
+    like : Tensor
+        Supplies the dtype and device of the zeros (``"trivial"``) and of the
+        default rotary rates (``"flat"``).
+
+    Returns
+    -------
+    Tensor, shape [n, d/2] or [..., n, d/2]
+        Shape [n, d/2] for ``"trivial"`` and ``"flat"`` (the latter an
+        expanded view of ``theta``, no copy); ``theta`` itself, unchanged,
+        for ``"content"``.
     """
     if connection not in CONNECTIONS:
         raise ValueError(f"connection must be one of {CONNECTIONS}, got {connection!r}")
@@ -343,7 +383,29 @@ def connection_attention(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor | None = N
 # --------------------------------------------------------------------------- diagnostics
 def sample_triangles(n: int, n_triangles: int, *, generator: torch.Generator | None = None,
                      device=None) -> Tensor:
-    """Random triangles of three distinct positions, shape [n_triangles, 3] (long, columns i, j, k)."""
+    """Random triangles of three distinct positions, for :func:`holonomy_defect` and :func:`torsion_defect`.
+
+    Each row is three distinct indices drawn uniformly without replacement
+    from ``0..n-1`` (in random order); rows are independent, so a triangle
+    may repeat. The random numbers are drawn on the CPU, so a seeded
+    ``generator`` gives the same triangles on every device.
+
+    Parameters
+    ----------
+    n : int
+        Number of tokens, ``n >= 3``.
+    n_triangles : int
+        Number of triangles ``T >= 1``.
+    generator : torch.Generator, optional
+        CPU generator for reproducible draws.
+    device : torch.device or str, optional
+        Where to put the result (default: the CPU).
+
+    Returns
+    -------
+    Tensor, shape [n_triangles, 3], dtype long
+        Columns ``i, j, k``.
+    """
     if n < 3:
         raise ValueError(f"a triangle needs n >= 3 tokens, got n = {n}")
     if n_triangles < 1:
@@ -353,7 +415,28 @@ def sample_triangles(n: int, n_triangles: int, *, generator: torch.Generator | N
 
 
 def sample_pairs(n: int, n_pairs: int, *, generator: torch.Generator | None = None, device=None) -> Tensor:
-    """Random ordered pairs of distinct positions, shape [n_pairs, 2] (long, columns i, j)."""
+    """Random ordered pairs of distinct positions, for :func:`metric_compatibility_defect`.
+
+    Each row is two distinct indices drawn uniformly without replacement
+    from ``0..n-1``; rows are independent. The random numbers are drawn on
+    the CPU, so a seeded ``generator`` gives the same pairs on every device.
+
+    Parameters
+    ----------
+    n : int
+        Number of tokens, ``n >= 2``.
+    n_pairs : int
+        Number of pairs ``T``.
+    generator : torch.Generator, optional
+        CPU generator for reproducible draws.
+    device : torch.device or str, optional
+        Where to put the result (default: the CPU).
+
+    Returns
+    -------
+    Tensor, shape [n_pairs, 2], dtype long
+        Columns ``i, j``.
+    """
     if n < 2:
         raise ValueError(f"a pair needs n >= 2 tokens, got n = {n}")
     scores = torch.rand(n_pairs, n, generator=generator)

@@ -466,7 +466,25 @@ def path_energy(path: Tensor, field: MetricField, quad_points: int = 4) -> Tenso
 
 
 def straight_path(x: Tensor, y: Tensor, n_points: int) -> Tensor:
-    """``n_points`` equally spaced points on the segment from ``x`` to ``y``, shape [n_points, m]."""
+    r"""``n_points`` equally spaced points on the straight segment from ``x`` to ``y``.
+
+    Equally spaced in the Euclidean sense; :func:`constant_speed` re-spaces
+    them to equal Riemannian length in a metric field.
+
+    Parameters
+    ----------
+    x, y : Tensor, shape [m]
+        Start and end point (same dtype and device).
+    n_points : int
+        Number of points, end points included (>= 2).
+
+    Returns
+    -------
+    Tensor, shape [n_points, m]
+        Row ``k`` is :math:`(1 - t_k)\,x + t_k\,y` with
+        :math:`t_k = k / (n_\text{points} - 1)`; the first row is ``x``, the
+        last ``y``.
+    """
     x, y = _check_points(x, y)
     if x.dim() != 1 or y.dim() != 1:
         raise ValueError(f"x and y must be single points [m], got x {shape_str(x)} and y {shape_str(y)}")
@@ -550,7 +568,21 @@ def _minimise_energy(x: Tensor, y: Tensor, start: Tensor, field: MetricField, st
 
 
 class ShortestPath(NamedTuple):
-    """Result of :func:`shortest_path`."""
+    """Result of :func:`shortest_path`.
+
+    Parameters
+    ----------
+    path : Tensor, shape [n_points, m]
+        The optimised polyline; its first and last rows are the end points.
+    length : Tensor, shape []
+        Its Riemannian length (:func:`path_length`): an upper bound on the
+        geodesic distance, up to quadrature error.
+    energy : Tensor, shape []
+        Its discretised energy (:func:`path_energy`); ``length**2 <= energy``,
+        with near equality when the path has constant speed.
+    n_evals : int
+        Number of energy evaluations spent, over all coarse-to-fine levels.
+    """
 
     path: Tensor  #: shape [n_points, m], the optimised polyline (end points fixed)
     length: Tensor  #: scalar, its Riemannian length (:func:`path_length`)

@@ -231,7 +231,26 @@ def kernel_statistic(Xq: Tensor, Xc: Tensor, Y: Tensor) -> Tensor:
 
 @dataclass
 class FitConfig:
-    """Training settings for :func:`fit_low_rank_kernel`."""
+    r"""Training settings for :func:`fit_low_rank_kernel`.
+
+    Parameters
+    ----------
+    steps : int, default 400
+        Number of full-batch Adam updates (the loss is evaluated once more
+        after the last one).
+    lr : float, default 0.05
+        Adam learning rate.
+    init_scale : float, default 1e-3
+        Standard deviation of the Gaussian entries of the initial factors
+        :math:`A, B`, so that :math:`W = A B^\top` starts near zero: the
+        small-initialisation regime in which gradient descent is biased
+        towards low rank.
+    log_every : int, default 20
+        Record the training loss and the energy effective rank of :math:`W`
+        every this many steps (and at the last step).
+    attention : {"linear", "softmax"}, default "linear"
+        The head the student is trained in (see :func:`kernel_attention`).
+    """
 
     steps: int = 400  # full-batch optimiser steps
     lr: float = 0.05  # Adam learning rate
@@ -305,6 +324,21 @@ def recall_batch(batch: int, n_pairs: int, n_keys: int, n_values: int, *,
     key among them; the answer is the value paired with it. Pairs arrive as
     single tokens, so one attention head suffices: the query must attend to
     the pair with the same key and read its value.
+
+    Parameters
+    ----------
+    batch : int
+        Number of examples.
+    n_pairs : int
+        Pairs per example, ``1 <= n_pairs <= n_keys``.
+    n_keys : int
+        Size of the key vocabulary; the keys of one example are drawn
+        without replacement, so they are distinct.
+    n_values : int
+        Size of the value vocabulary (>= 1); values are drawn with
+        replacement, so they may repeat.
+    generator : torch.Generator, optional
+        CPU generator for reproducible draws; all outputs are on the CPU.
 
     Returns
     -------

@@ -57,7 +57,84 @@ MODES = ("euclidean", "riemannian", "fiber_bundle")
 
 @dataclass
 class FiberBundleConfig:
-    """Configuration of :class:`FiberBundleTransformer` (defaults: a small book-sized model)."""
+    r"""Configuration of :class:`FiberBundleTransformer` (defaults: a small book-sized model).
+
+    Validated on construction (:meth:`validate`): a bad value raises
+    ``ValueError`` naming the field. Presets: :meth:`tiny`, :meth:`small`.
+
+    Parameters
+    ----------
+    vocab_size : int, default 64
+        Number of token ids.
+    block_size : int, default 64
+        Longest sequence (context length); also the size of the learned
+        position table and the context window of :meth:`FiberBundleTransformer.generate`.
+    d_model : int, default 64
+        Model width :math:`D`; must be divisible by ``n_heads``.
+    n_heads : int, default 4
+        Number of heads :math:`h`; the head dimension is :math:`d = D / h`
+        (even when a ``"flat"`` or ``"content"`` connection is used).
+    n_layers : int, default 2
+        Number of residual blocks :math:`L`.
+    mode : {"euclidean", "riemannian", "fiber_bundle"}, default "fiber_bundle"
+        Which model (module docstring): dot-product attention, Riemannian
+        attention, or Riemannian attention with a connection and the
+        metric-preconditioned FFN.
+    metric_side : {"key", "query", "mean"}, default "key"
+        Which token's metric measures a query-key pair (not used by
+        ``"euclidean"``).
+    metric_rank : int, default 2
+        Rank :math:`r \ge 0` of every attention metric
+        :math:`G = \lambda I + U U^\top`; 0 gives :math:`G = \lambda I`.
+    metric_strength : float, default 1.0
+        The ``strength`` of every :class:`~riemannian_ref.MetricNet`
+        (attention and FFN metrics): how heterogeneous the metrics are at
+        init; 0 starts with :math:`U = 0`.
+    lam_init : float, default 1.0
+        Initial isotropic part :math:`\lambda` of every metric; must exceed
+        the floor ``1e-3``.
+    connection : {"trivial", "flat", "content"}, default "content"
+        The connection of ``"fiber_bundle"`` attention
+        (:func:`~riemannian_ref.connection_attention`); ignored by the other
+        modes.
+    rotary_base : float, default 10000.0
+        Base of the rotary rates :math:`\theta_m = \text{base}^{-2m/d}` of the
+        ``"flat"`` connection, and of the rates the ``"content"`` connection
+        modulates.
+    content_rate_std : float, default 0.5
+        ``"content"`` connection: the rates are
+        :math:`\omega_j = 2\,\theta\,\mathrm{sigmoid}(W x_j)` with :math:`W`
+        initialised with standard deviation ``content_rate_std / sqrt(D)``;
+        0 starts exactly at the flat connection.
+    precondition_ffn : bool, default True
+        ``"fiber_bundle"`` only: the FFN update is
+        :math:`x + \eta\, G_x^{-1}\mathrm{FFN}(\mathrm{LN}(x))` instead of
+        :math:`x + \mathrm{FFN}(\mathrm{LN}(x))`.
+    ffn_metric_rank : int, default 2
+        Rank of the model-space metric :math:`G_x = \lambda I_D + U_x U_x^\top`
+        of the preconditioned FFN (0: :math:`G_x = \lambda I_D`).
+    eta_init : float, default 1.0
+        Initial step size :math:`\eta` of the preconditioned FFN (learned, one
+        per block).
+    mlp_ratio : int, default 4
+        FFN hidden width = ``mlp_ratio * d_model``.
+    dropout : float, default 0.0
+        Dropout probability on the embeddings, the attention weights and the
+        residual branches, in ``[0, 1)``.
+    bias : bool, default False
+        Biases in the value and output projections, the FFN layers and the
+        LayerNorms (the query/key frames and the LM head have none).
+    tie_weights : bool, default True
+        The LM head shares the token embedding matrix.
+    learned_positions : bool or None, default None
+        Add learned absolute position embeddings. None chooses by mode and
+        connection: learned positions unless the attention transports along
+        a ``"flat"`` or ``"content"`` connection.
+    stiefel_qk : bool, default False
+        Initialise the per-head query/key frames, shape [h, D, d], with
+        orthonormal columns (QR of a Gaussian matrix) instead of
+        :math:`N(0, 0.02^2)` entries.
+    """
 
     vocab_size: int = 64            # number of token ids
     block_size: int = 64            # longest sequence (context length)
@@ -153,7 +230,22 @@ class FiberBundleConfig:
 
 
 class FiberBundleOutput(NamedTuple):
-    """What :meth:`FiberBundleTransformer.forward` returns when more than logits is requested."""
+    """What :meth:`FiberBundleTransformer.forward` returns when more than logits is requested.
+
+    Parameters
+    ----------
+    logits : Tensor, shape [B, n, vocab]
+        Next-token logits at every position.
+    loss : Tensor, shape [] or None
+        Mean cross-entropy over the positions whose target is not ``-1``;
+        None when no targets were given.
+    hidden : Tensor, shape [L + 1, B, n, D] or None
+        The residual stream: the embeddings, then the output of every block;
+        None unless ``return_hidden``.
+    diagnostics : dict or None
+        Per-layer tensors (see :meth:`FiberBundleTransformer.forward`); None
+        unless ``return_diagnostics``.
+    """
 
     logits: Tensor                  # [B, n, vocab]
     loss: Tensor | None             # scalar cross-entropy, when targets are given
@@ -503,7 +595,18 @@ def count_parameters(model_or_config) -> dict[str, int]:
     (attention metric nets), connection (content-rate maps), ffn, ffn_metric
     (metric of the preconditioned FFN and eta), norms, head (0 when tied).
     A config is instantiated on the CPU (book-sized models: milliseconds; the
-    ``meta`` device was slower here).
+    ``meta`` device was slower here), without consuming the caller's random
+    numbers.
+
+    Parameters
+    ----------
+    model_or_config : FiberBundleTransformer or FiberBundleConfig
+        A model, or the config of one.
+
+    Returns
+    -------
+    dict of str to int
+        One count per component above, and ``"total"``.
     """
     if isinstance(model_or_config, FiberBundleConfig):
         with torch.random.fork_rng(devices=[]):  # counting leaves the caller's random stream alone
@@ -526,6 +629,32 @@ def match_width(config: FiberBundleConfig, target: int, *, exclude_embedding: bo
     Candidate widths are multiples of ``2 * n_heads`` (even head dimensions)
     up to four times the current width. Use it to compare modes at matched
     size: ``match_width(cfg_fb, count_parameters(cfg_eucl)["total"])``.
+
+    Parameters
+    ----------
+    config : FiberBundleConfig
+        The config to resize; every field but ``d_model`` is kept.
+    target : int
+        The parameter count to match.
+    exclude_embedding : bool
+        Compare the count without the token embedding and the (untied) LM
+        head, e.g. for a ``target`` counted the same way.
+    widths : iterable of int, optional
+        Candidate widths, in increasing order (default: the multiples of
+        ``2 * n_heads`` described above). Widths the config rejects are
+        skipped; the search stops at the first width whose count exceeds
+        ``target``, since counts grow with the width.
+
+    Returns
+    -------
+    FiberBundleConfig
+        A validated copy of ``config`` with the best width (the smaller on a
+        tie).
+
+    Raises
+    ------
+    ValueError
+        If no candidate width gives a valid config.
     """
     step = 2 * config.n_heads
     if widths is None:
@@ -555,6 +684,19 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
     content transport) at one FLOP per scalar operation, an estimate. The
     pairwise low-rank products cost ``2 n^2 D r`` per one-sided metric
     (``"mean"``: twice). Returns per-component FLOPs and ``"total"``.
+
+    Parameters
+    ----------
+    config : FiberBundleConfig
+    seq_len : int, optional
+        Sequence length :math:`n` (default ``config.block_size``).
+
+    Returns
+    -------
+    dict of str to float
+        ``"projections"``, ``"scores"``, ``"softmax_mix"``, ``"metric"``,
+        ``"connection"``, ``"ffn"``, ``"ffn_metric"``, ``"head"`` (0 for
+        components the mode does not have) and ``"total"``.
     """
     cfg = config
     n = cfg.block_size if seq_len is None else seq_len

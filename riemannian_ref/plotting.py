@@ -136,7 +136,22 @@ def draw_metric_field(ax, points, metrics, scale: float = 1.0, color=None, **kwa
 
 
 def draw_path(ax, path, **kwargs):
-    """Plot a polyline ``path`` [N, 2] on ``ax``; returns the ``Line2D``."""
+    """Plot a polyline through the rows of ``path`` on ``ax``.
+
+    Parameters
+    ----------
+    ax : matplotlib.axes.Axes
+    path : Tensor or array, shape [N, 2]
+        Vertices in order (e.g. ``shortest_path(...).path``); detached and
+        copied to the CPU for drawing.
+    **kwargs
+        Passed to :meth:`matplotlib.axes.Axes.plot` (colour, line style, markers, label).
+
+    Returns
+    -------
+    matplotlib.lines.Line2D
+        The drawn line.
+    """
     P = torch.as_tensor(path).detach().to("cpu", torch.float64)
     if P.dim() != 2 or P.shape[-1] != 2:
         raise ValueError(f"path must have shape [N, 2], got {list(P.shape)}")

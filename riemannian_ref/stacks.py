@@ -62,7 +62,57 @@ ATTENTIONS = ("euclidean", "shared", "hetero", "fiber")
 
 @dataclass(frozen=True)
 class StackConfig:
-    """A depth-``depth`` stack of (optionally) pure attention layers."""
+    r"""A depth-``depth`` stack of (optionally) pure attention layers.
+
+    Frozen and validated on construction (a bad value raises ``ValueError``
+    naming the field); :meth:`with_` makes a changed copy.
+
+    Parameters
+    ----------
+    d_model : int, default 64
+        Width :math:`D` of the token states; must be divisible by ``n_heads``.
+    n_heads : int, default 2
+        Number of heads :math:`h`; the head dimension is :math:`d = D / h`
+        (even for ``attention="fiber"``).
+    depth : int, default 24
+        Number of layers :math:`L`.
+    attention : {"euclidean", "shared", "hetero", "fiber"}, default "euclidean"
+        The attention of every layer (one of ``ATTENTIONS``; module docstring).
+    metric_side : {"key", "query", "mean"}, default "key"
+        Which token's metric measures a pair in ``"hetero"`` and ``"fiber"``
+        attention (``"shared"`` has one metric per head, so the side does not
+        matter).
+    rank : int, default 4
+        Rank :math:`r \ge 0` of the metrics of ``"shared"``, ``"hetero"``
+        and ``"fiber"`` attention; ``"shared"`` needs :math:`r \ge 1`.
+    strength : float, default 1.0
+        Initial scale of :math:`U` (entries of variance ``strength**2 / r``,
+        as in :class:`~riemannian_ref.MetricNet`); 0 gives
+        :math:`G = \lambda I` at init.
+    lam_init : float, default 1.0
+        Initial isotropic part :math:`\lambda` of every metric; must exceed
+        the floor ``1e-3``.
+    skip : bool, default False
+        Residual connections around the attention (and the MLP).
+    mlp : bool, default False
+        A two-layer ReLU MLP after each attention.
+    layer_norm : bool, default False
+        Pre-norm LayerNorm before the attention (and the MLP).
+    mlp_ratio : int, default 4
+        Hidden width of the MLP = ``mlp_ratio * d_model``.
+    qk_gain : float, default 1.0
+        Multiplies :math:`W_Q` and :math:`W_K` at init, so the scores scale
+        by ``qk_gain**2``: sharper (> 1) or flatter (< 1) attention; > 0.
+    connection : {"trivial", "flat", "content"}, default "trivial"
+        The connection of ``"fiber"`` attention
+        (:func:`~riemannian_ref.connection_attention`; ``"flat"`` uses the
+        rotary rates with base 10000); ignored by the other attentions.
+    rate_scale : float, default 0.1
+        ``"content"`` connection: the rates are :math:`\omega_j = W_\theta x_j`
+        with :math:`W_\theta` initialised with standard deviation
+        ``rate_scale / sqrt(D)``, so rates of standard deviation about
+        ``rate_scale`` for unit-variance token states.
+    """
 
     d_model: int = 64  # D, width of the token states
     n_heads: int = 2  # h; head dimension d = D / h
@@ -121,6 +171,12 @@ class AttentionLayer(nn.Module):
     Projections are bias-free with entries :math:`\mathcal N(0, 1/D)`, so
     unit-variance token states give unit-variance queries, keys and values;
     ``qk_gain`` scales :math:`W_Q, W_K` (hence the scores by ``qk_gain**2``).
+
+    Parameters
+    ----------
+    cfg : StackConfig
+        Width, heads, the kind of attention and its metric and connection
+        settings; the depth and the skip/MLP/norm fields are not used here.
     """
 
     def __init__(self, cfg: StackConfig):
@@ -217,6 +273,11 @@ class AttentionStack(nn.Module):
     With ``skip=mlp=layer_norm=False`` this is the pure self-attention network
     of Dong, Cordonnier and Loukas (2021). Parameters are drawn from the global
     torch RNG (seed it before construction).
+
+    Parameters
+    ----------
+    cfg : StackConfig
+        Depth, layer options and the attention of every layer.
     """
 
     def __init__(self, cfg: StackConfig):
@@ -312,6 +373,14 @@ class HistogramTask:
 
     Needs every position to keep its own identity (a collapsed, identical-row
     representation cannot solve it), and needs attention to compare tokens.
+
+    Parameters
+    ----------
+    n : int, default 16
+        Sequence length; the targets take ``n`` values (a count from 1 to
+        ``n``), so a classifier needs ``n_classes = n``.
+    vocab : int, default 8
+        Number of symbols, drawn uniformly and independently per position.
     """
 
     n: int = 16  # sequence length
@@ -325,7 +394,22 @@ class HistogramTask:
 
 
 class StackClassifier(nn.Module):
-    """Embedding, an :class:`AttentionStack`, a final LayerNorm and a per-token read-out."""
+    """Embedding, an :class:`AttentionStack`, a final LayerNorm and a per-token read-out.
+
+    The embedding has entries :math:`N(0, 1)`, so the stack sees
+    unit-variance token states. :meth:`forward` returns the logits and all
+    hidden states of the stack, for rank-collapse measures after training.
+
+    Parameters
+    ----------
+    cfg : StackConfig
+        The attention stack.
+    vocab : int
+        Number of token ids.
+    n_classes : int
+        Number of output classes per token (``task.n`` for a
+        :class:`HistogramTask`).
+    """
 
     def __init__(self, cfg: StackConfig, vocab: int, n_classes: int):
         super().__init__()
@@ -346,6 +430,29 @@ def train_classifier(model: StackClassifier, task: HistogramTask, *, steps: int 
     """A short Adam run on ``task``; returns the per-step training losses.
 
     Data are drawn on ``generator`` (CPU) and moved to the model's device.
+    Every step draws a fresh batch; the loss is the token-averaged
+    cross-entropy of the per-token classes.
+
+    Parameters
+    ----------
+    model : StackClassifier
+        Trained in place; its train/eval mode is left as it is.
+    task : HistogramTask
+        Source of the batches (:meth:`HistogramTask.sample`).
+    steps : int
+        Number of Adam steps (>= 0).
+    batch : int
+        Sequences per step.
+    lr : float
+        Adam learning rate.
+    generator : torch.Generator, optional
+        CPU generator for the data, for reproducible runs (the model's
+        initialisation is not affected).
+
+    Returns
+    -------
+    list of float
+        The loss of each step, measured before its update; length ``steps``.
     """
     if not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps must be an int >= 0, got {steps!r}")
