@@ -339,7 +339,7 @@ class Stiefel:
 class FixedRankPoint(NamedTuple):
     """A rank-``r`` matrix :math:`X = U \\operatorname{diag}(s) V^\\top`.
 
-    Attributes
+    Parameters
     ----------
     U : Tensor, shape [..., m, r]   (orthonormal columns)
     s : Tensor, shape [..., r]      (positive singular values, descending)
@@ -354,7 +354,7 @@ class FixedRankPoint(NamedTuple):
 class FixedRankTangent(NamedTuple):
     """A tangent vector :math:`\\xi = U M V^\\top + U_p V^\\top + U V_p^\\top`.
 
-    Attributes
+    Parameters
     ----------
     M : Tensor, shape [..., r, r]
     Up : Tensor, shape [..., m, r]  (:math:`U^\\top U_p = 0`)
@@ -631,6 +631,12 @@ class PartialIsometry:
     :math:`(G V, G^\\top U)`, projected factor by factor; the retraction is polar
     on each factor. A Stiefel-constrained query/key pair ``(W_Q, W_K)`` of one
     head is exactly such a point, with bilinear form :math:`W_Q W_K^\\top`.
+
+    Parameters
+    ----------
+    atol : float, optional
+        Tolerance of the Stiefel membership checks of each factor (see
+        :class:`Stiefel`).
     """
 
     name = "PartialIsometry(product of embedded Stiefel metrics)"

@@ -31,7 +31,27 @@ __all__ = [
 
 @dataclass
 class TinyTransformerConfig:
-    """Sizes of :class:`TinyTransformer`."""
+    """Sizes of :class:`TinyTransformer`.
+
+    Parameters
+    ----------
+    vocab : int
+        Input and output vocabulary size.
+    n_ctx : int
+        Maximum sequence length (learned positions).
+    d_model : int, default 64
+        Residual width :math:`D`.
+    n_heads : int, default 4
+        Number of heads :math:`h`.
+    head_dim : int, default 16
+        Head dimension :math:`d`; query and key frames are :math:`D \\times d`.
+    d_mlp : int, default 256
+        Hidden width of the feed-forward block.
+    n_layers : int, default 1
+        Number of blocks.
+    causal : bool, default True
+        Causal mask (needed for language modelling).
+    """
 
     vocab: int  # input and output vocabulary
     n_ctx: int  # maximum sequence length

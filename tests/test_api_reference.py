@@ -48,6 +48,8 @@ def _own_doc(obj) -> str:
 
 
 def _takes_arguments(obj) -> bool:
+    if inspect.isclass(obj) and obj.__init__ is object.__init__:
+        return False  # no constructor of its own: nothing to document
     target = obj.__init__ if inspect.isclass(obj) else obj
     try:
         params = inspect.signature(target).parameters
