@@ -147,11 +147,11 @@ def riemannian_attention_reference(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor 
 _NEG_INF = float("-inf")
 
 
-def attention_block_sizes(n_q: int, n_k: int, width: int, *, tile: int = 2 ** 15) -> tuple[int, int]:
+def attention_block_sizes(n_q: int, n_k: int, width: int, *, tile: int = 2 ** 18) -> tuple[int, int]:
     """Query and key block sizes of the blockwise operator.
 
     A tile holds ``bq * bk * width`` products (``width = 1 + r`` one-sided,
-    ``1 + 2r`` for ``"mean"``), per batch element; ``tile`` bounds that number,
+    ``1 + 2r`` for ``"mean"``) per batch element; ``tile`` bounds that number,
     so the extra memory of a tile does not grow with the rank.
 
     Parameters
@@ -161,56 +161,90 @@ def attention_block_sizes(n_q: int, n_k: int, width: int, *, tile: int = 2 ** 15
     width : int
         Products per (query, key) pair, ``>= 1``.
     tile : int
-        Products per tile and batch element (default ``2**15``: 128 KiB in float32).
+        Products per tile and batch element (default ``2**18``: 1 MiB in float32).
 
     Returns
     -------
     (bq, bk) : tuple of int
     """
-    bq = max(1, min(n_q, 128))
-    bk = max(16, tile // (bq * width))
+    bq = max(1, min(n_q, 256))
+    bk = max(32, tile // (bq * width))
     return bq, max(1, min(n_k, bk))
 
 
-def _key_side(k: Tensor, lam: Tensor, W: Tensor | None, Uk: Tensor | None, scale: float, ck: float):
-    r"""Per-key terms: ``Mk = scale * M k`` (Bf, n, d), ``kb = -k.Mk/2`` (Bf, n), ``ka = ck U^T k`` (Bf, n, r)."""
-    Mk = lam.view(-1, 1, 1) * k
+def _key_block(k_b: Tensor, lam: Tensor, W: Tensor | None, U_b: Tensor | None, scale: float, ck: float):
+    r"""The stacked key block ``Kt`` (Bf, d+1, (1+rk) nb) and ``Mk = scale M k`` (Bf, nb, d).
+
+    Columns ``t * nb + j`` (t-major): ``t = 0`` is ``[scale M k_j ; -k_j.Mk_j / 2]``,
+    ``t >= 1`` is ``[c U_{j,t} ; -c U_{j,t}.k_j]``; the last row multiplies the
+    constant 1 appended to every query.
+    """
+    Bf, nb, d = k_b.shape
+    rk = U_b.shape[-1] if U_b is not None else 0
+    Mk = lam.view(-1, 1, 1) * k_b
     if W is not None:
-        Mk = Mk + (k @ W) @ W.transpose(-1, -2)  # shared low-rank parts join M
-    Mk = scale * Mk  # (Bf, n_k, d)
-    kb = -0.5 * (k * Mk).sum(-1)  # (Bf, n_k)
-    ka = ck * torch.einsum("bnd,bndr->bnr", k, Uk) if Uk is not None else None  # (Bf, n_k, rk)
-    return Mk, kb, ka
+        Mk = Mk + (k_b @ W) @ W.transpose(-1, -2)  # shared low-rank parts join M
+    Mk = scale * Mk  # (Bf, nb, d)
+    Kt = k_b.new_empty(Bf, d + 1, (1 + rk) * nb)
+    Kt[:, :d, :nb] = Mk.transpose(1, 2)
+    Kt[:, d, :nb] = -0.5 * (k_b * Mk).sum(-1)
+    if rk:
+        cU = ck * U_b  # (Bf, nb, d, rk)
+        Kt[:, :d, nb:].view(Bf, d, rk, nb).copy_(cU.permute(0, 2, 3, 1))
+        # (elementwise, not einsum: a batch of 1 x d x r products is slow in BLAS)
+        ka = (cU * k_b.unsqueeze(-1)).sum(-2)  # c U_j^T k_j           (Bf, nb, rk)
+        Kt[:, d, nb:].view(Bf, rk, nb).copy_(-ka.transpose(1, 2))
+    return Kt, Mk
 
 
-def _key_stack(Mk, kb, Uk, ka, j0, j1, ck):
-    """Stacked key block ``[scale M k_j | c U_j]`` (Bf, (1+rk) bk, d) and its column bias (Bf, 1, (1+rk) bk)."""
-    Bf, _, d = Mk.shape
-    if Uk is None:
-        return Mk[:, j0:j1], kb[:, j0:j1].unsqueeze(1)
-    Kmat = torch.cat([Mk[:, j0:j1].unsqueeze(1), ck * Uk[:, j0:j1].permute(0, 3, 1, 2)], 1)  # (Bf, 1+rk, bk, d)
-    bias = torch.cat([kb[:, j0:j1].unsqueeze(1), -ka[:, j0:j1].transpose(1, 2)], 1)  # (Bf, 1+rk, bk)
-    return Kmat.view(Bf, -1, d), bias.view(Bf, 1, -1)
+def _key_block_backward(dKt, k_b, Mk, lam, W, U_b, scale, ck, need_lam):
+    """Chain rule of :func:`_key_block`: (dk_b, dU_b, dlam, dW), all O(nb d r)."""
+    Bf, nb, d = k_b.shape
+    rk = U_b.shape[-1] if U_b is not None else 0
+    dkb = dKt[:, d, :nb]  # (Bf, nb)
+    dMk = dKt[:, :d, :nb].transpose(1, 2) - 0.5 * dkb.unsqueeze(-1) * k_b  # (Bf, nb, d)
+    dk = -0.5 * dkb.unsqueeze(-1) * Mk
+    dU = None
+    if rk:
+        dU = ck * dKt[:, :d, nb:].reshape(Bf, d, rk, nb).permute(0, 3, 1, 2)  # (Bf, nb, d, rk)
+        dka = -dKt[:, d, nb:].reshape(Bf, rk, nb).transpose(1, 2)  # (Bf, nb, rk)
+        dU = dU + ck * k_b.unsqueeze(-1) * dka.unsqueeze(-2)
+        dk = dk + ck * (U_b * dka.unsqueeze(-2)).sum(-1)
+    dMs = scale * dMk
+    dk = dk + lam.view(-1, 1, 1) * dMs
+    dlam = (k_b * dMs).sum((1, 2)) if need_lam else None  # (Bf,)
+    dW = None
+    if W is not None:
+        dk = dk + (dMs @ W) @ W.transpose(-1, -2)
+        dW = k_b.transpose(1, 2) @ (dMs @ W) + dMs.transpose(1, 2) @ (k_b @ W)  # (Bf, d, rs)
+    return dk, dU, dlam, dW
 
 
-def _query_stack(Uq, qb, i0, i1, cq):
-    """Stacked query block ``c U_i^T`` (Bf, bq rq, d) and its row bias (Bf, bq rq, 1)."""
-    Bf, _, d, rq = Uq.shape
-    Qst = (cq * Uq[:, i0:i1].transpose(-1, -2)).reshape(Bf, -1, d)  # (Bf, bq rq, d)
-    return Qst, -qb[:, i0:i1].reshape(Bf, -1, 1)
+def _augment(x: Tensor) -> Tensor:
+    """Append the constant 1: (Bf, n, d) -> (Bf, n, d+1)."""
+    return torch.cat([x, x.new_ones(*x.shape[:-1], 1)], -1)
 
 
-def _tile(q_blk, k_blk, Kmat, kbias, Qst, qbias, rk, rq, mask, causal, i0, i1, j0, j1):
-    """Scores of one tile (Bf, bq, bk), plus the rank products X (Bf, bq, 1+rk, bk) and Y (Bf, bq, rq, bk)."""
-    Bf, nb = q_blk.shape[0], i1 - i0
-    mb = j1 - j0
-    X = torch.baddbmm(kbias, q_blk, Kmat.transpose(1, 2)).view(Bf, nb, 1 + rk, mb)  # ONE product
+def _query_block(q_b: Tensor, U_b: Tensor, cq: float) -> Tensor:
+    """Stacked query block ``[c U_{i,t}^T, -c U_{i,t}.q_i]``, rows ``i * rq + t``: (Bf, nb rq, d+1)."""
+    Bf, nb, d, rq = U_b.shape
+    Qa = q_b.new_empty(Bf, nb, rq, d + 1)
+    cU = cq * U_b
+    Qa[..., :d] = cU.transpose(-1, -2)
+    Qa[..., d] = -(cU * q_b.unsqueeze(-1)).sum(-2)
+    return Qa.view(Bf, nb * rq, d + 1)
+
+
+def _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, causal, i0, i1, j0, j1):
+    """Scores of one tile (Bf, bq, bk), and the rank products X (Bf, bq, 1+rk, bk), Y (Bf, bq, rq, bk)."""
+    Bf, nb, mb = qa_b.shape[0], i1 - i0, j1 - j0
+    X = torch.bmm(qa_b, Kt).view(Bf, nb, 1 + rk, mb)  # ONE product for Q K^T and all U_j^T q_i
     S = X[:, :, 0].clone()  # (Bf, bq, bk)
     for t in range(1, rk + 1):
         S.addcmul_(X[:, :, t], X[:, :, t], value=-1.0)
     Y = None
     if rq:
-        Y = torch.baddbmm(qbias, Qst, k_blk.transpose(1, 2)).view(Bf, nb, rq, mb)
+        Y = torch.bmm(Qa, kta_b).view(Bf, nb, rq, mb)  # U_i^T k_j for the query side
         for t in range(rq):
             S.addcmul_(Y[:, :, t], Y[:, :, t], value=-1.0)
     if causal and j1 - 1 > i0:  # top-left aligned: key j is seen by query i iff j <= i
@@ -233,7 +267,8 @@ class _RiemannianAttentionFn(torch.autograd.Function):
     Inputs are flattened over the batch: q (Bf, n_q, d), k (Bf, n_k, d),
     v (Bf, n_k, dv), lam (Bf,), W (Bf, d, rs) or None (all shared low-rank
     parts), Uk (Bf, n_k, d, rk) or None, Uq (Bf, n_q, d, rq) or None,
-    mask (1 or Bf, n_q or 1, n_k or 1) bool/float or None.
+    mask (1 or Bf, n_q or 1, n_k or 1) bool/float or None. Saved for the
+    backward: the inputs, the output and the row log-sum-exp, nothing pairwise.
     """
 
     @staticmethod
@@ -242,35 +277,37 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         n_k, dv = k.shape[1], v.shape[2]
         rk = Uk.shape[-1] if Uk is not None else 0
         rq = Uq.shape[-1] if Uq is not None else 0
-        Mk, kb, ka = _key_side(k, lam, W, Uk, scale, ck)
-        qb = cq * torch.einsum("bnd,bndr->bnr", q, Uq) if rq else None  # (Bf, n_q, rq)
-        out = q.new_empty(Bf, n_q, dv)
-        lse = q.new_empty(Bf, n_q)
-        tiny = torch.finfo(q.dtype).tiny
-        for i0 in range(0, n_q, bq):
-            i1 = min(i0 + bq, n_q)
-            q_blk = q[:, i0:i1]
-            Qst, qbias = _query_stack(Uq, qb, i0, i1, cq) if rq else (None, None)
-            m = q.new_full((Bf, i1 - i0), _NEG_INF)  # running row max
-            m_safe = torch.zeros_like(m)
-            l = torch.zeros_like(m)  # running row sum of exp
-            acc = q.new_zeros(Bf, i1 - i0, dv)
-            j_end = min(n_k, i1) if causal else n_k
-            for j0 in range(0, j_end, bk):
-                j1 = min(j0 + bk, n_k)
-                Kmat, kbias = _key_stack(Mk, kb, Uk, ka, j0, j1, ck)
-                S, X, Y = _tile(q_blk, k[:, j0:j1], Kmat, kbias, Qst, qbias, rk, rq, mask, causal, i0, i1, j0, j1)
+        # Key blocks outside, so each stacked key block is built once; the
+        # running max m, sum l and output of every query row live across them.
+        m = q.new_full((Bf, n_q), _NEG_INF)  # running row max
+        m_safe = torch.zeros_like(m)  # m with -inf (rows masked so far) replaced by 0
+        l = torch.zeros_like(m)  # running row sum of exp(S - m)
+        acc = q.new_zeros(Bf, n_q, dv)  # running unnormalised output
+        for j0 in range(0, n_k, bk):
+            j1 = min(j0 + bk, n_k)
+            Kt, _ = _key_block(k[:, j0:j1], lam, W, Uk[:, j0:j1] if rk else None, scale, ck)
+            kta_b = _augment(k[:, j0:j1]).transpose(1, 2) if rq else None
+            v_b = v[:, j0:j1]
+            i_start = (j0 // bq) * bq if causal else 0  # causal: earlier query blocks see none of these keys
+            for i0 in range(i_start, n_q, bq):
+                i1 = min(i0 + bq, n_q)
+                qa_b = _augment(q[:, i0:i1])  # (Bf, bq, d+1)
+                Qa = _query_block(q[:, i0:i1], Uq[:, i0:i1], cq) if rq else None
+                S, X, Y = _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, causal, i0, i1, j0, j1)
                 del X, Y
-                m = torch.maximum(m, S.amax(-1))
-                m_prev_safe = m_safe
-                m_safe = m.masked_fill(torch.isneginf(m), 0.0)  # rows masked so far stay exactly 0
-                P = S.sub_(m_safe.unsqueeze(-1)).exp_()  # (Bf, bq, bk), in place
-                alpha = (m_prev_safe - m_safe).exp_()
-                l.mul_(alpha).add_(P.sum(-1))
-                acc.mul_(alpha.unsqueeze(-1)).baddbmm_(P, v[:, j0:j1])
-            out[:, i0:i1] = acc / l.clamp_min(tiny).unsqueeze(-1)
-            # fully masked rows: lse = +inf so that exp(S - lse) = 0 in the backward
-            lse[:, i0:i1] = torch.where(l > 0, m_safe + torch.log(l.clamp_min(tiny)), float("inf"))
+                m_b, ms_b = m[:, i0:i1], m_safe[:, i0:i1]
+                m_new = torch.maximum(m_b, S.amax(-1))
+                ms_new = m_new.masked_fill(torch.isneginf(m_new), 0.0)
+                P = S.sub_(ms_new.unsqueeze(-1)).exp_()  # (Bf, bq, bk), in place
+                alpha = (ms_b - ms_new).exp_()
+                l[:, i0:i1] = l[:, i0:i1] * alpha + P.sum(-1)
+                acc[:, i0:i1] = torch.baddbmm(acc[:, i0:i1] * alpha.unsqueeze(-1), P, v_b)
+                m[:, i0:i1] = m_new
+                m_safe[:, i0:i1] = ms_new
+        tiny = torch.finfo(q.dtype).tiny
+        out = acc.div_(l.clamp_min(tiny).unsqueeze(-1))  # fully masked rows: 0 / tiny = 0
+        # fully masked rows: lse = +inf, so that exp(S - lse) = 0 in the backward
+        lse = torch.where(l > 0, m_safe + torch.log(l.clamp_min(tiny)), float("inf"))
         ctx.save_for_backward(q, k, v, lam, W, Uk, Uq, mask, out, lse)
         ctx.consts = (causal, scale, ck, cq, bq, bk)
         return out
@@ -279,76 +316,65 @@ class _RiemannianAttentionFn(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, lam, W, Uk, Uq, mask, out, lse = ctx.saved_tensors
         causal, scale, ck, cq, bq, bk = ctx.consts
+        need_lam = ctx.needs_input_grad[3]
         Bf, n_q, d = q.shape
         n_k = k.shape[1]
         rk = Uk.shape[-1] if Uk is not None else 0
         rq = Uq.shape[-1] if Uq is not None else 0
         dout = dout.contiguous()
         Drow = (dout * out).sum(-1)  # rowsum(dO * O)                    (Bf, n_q)
-        Mk, kb, ka = _key_side(k, lam, W, Uk, scale, ck)
-        qb = cq * torch.einsum("bnd,bndr->bnr", q, Uq) if rq else None
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dMk, dkb = torch.zeros_like(Mk), torch.zeros_like(kb)
+        dqa = q.new_zeros(Bf, n_q, d + 1)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         dUk = torch.zeros_like(Uk) if rk else None
-        dka = torch.zeros_like(ka) if rk else None
-        dQst = q.new_zeros(Bf, n_q, rq, d) if rq else None  # d(c U_i^T), row-stacked
-        dqbias = q.new_zeros(Bf, n_q, rq) if rq else None
+        dlam = torch.zeros_like(lam) if need_lam else None
+        dW = torch.zeros_like(W) if W is not None else None
+        dQa = q.new_zeros(Bf, n_q * rq, d + 1) if rq else None  # d[c U_i^T, -c U_i^T q_i], row-stacked
         for j0 in range(0, n_k, bk):
             j1 = min(j0 + bk, n_k)
-            k_blk, v_blk = k[:, j0:j1], v[:, j0:j1]
-            Kmat, kbias = _key_stack(Mk, kb, Uk, ka, j0, j1, ck)
-            dKmat, dkbias = torch.zeros_like(Kmat), torch.zeros_like(kbias)
-            dv_blk, dk_blk = torch.zeros_like(v_blk), torch.zeros_like(k_blk)
+            k_b, v_b = k[:, j0:j1], v[:, j0:j1]
+            U_b = Uk[:, j0:j1] if rk else None
+            Kt, Mk = _key_block(k_b, lam, W, U_b, scale, ck)
+            kta_b = _augment(k_b).transpose(1, 2) if rq else None  # (Bf, d+1, nb)
+            dKt = torch.zeros_like(Kt)
+            dkta = torch.zeros(Bf, d + 1, j1 - j0, dtype=q.dtype, device=q.device) if rq else None
+            dv_b = torch.zeros_like(v_b)
             i_start = (j0 // bq) * bq if causal else 0  # earlier query blocks see none of these keys
             for i0 in range(i_start, n_q, bq):
                 i1 = min(i0 + bq, n_q)
-                q_blk, do_blk = q[:, i0:i1], dout[:, i0:i1]
-                Qst, qbias = _query_stack(Uq, qb, i0, i1, cq) if rq else (None, None)
-                S, X, Y = _tile(q_blk, k_blk, Kmat, kbias, Qst, qbias, rk, rq, mask, causal, i0, i1, j0, j1)
+                qa_b, do_b = _augment(q[:, i0:i1]), dout[:, i0:i1]
+                Qa = _query_block(q[:, i0:i1], Uq[:, i0:i1], cq) if rq else None
+                S, X, Y = _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, causal, i0, i1, j0, j1)
                 P = S.sub_(lse[:, i0:i1].unsqueeze(-1)).exp_()  # (Bf, bq, bk)
-                dv_blk.baddbmm_(P.transpose(1, 2), do_blk)
-                dS = torch.bmm(do_blk, v_blk.transpose(1, 2)).sub_(Drow[:, i0:i1].unsqueeze(-1)).mul_(P)
+                dv_b.baddbmm_(P.transpose(1, 2), do_b)
+                dS = torch.bmm(do_b, v_b.transpose(1, 2)).sub_(Drow[:, i0:i1].unsqueeze(-1)).mul_(P)
                 # dX^(0) = dS, dX^(t) = -2 X^(t) dS (in place on X)
                 X[:, :, 1:].mul_(dS.unsqueeze(2)).mul_(-2.0)
                 X[:, :, 0].copy_(dS)
-                dX = X.view(X.shape[0], i1 - i0, -1)  # (Bf, bq, (1+rk) bk)
-                dq[:, i0:i1].baddbmm_(dX, Kmat)
-                dKmat.baddbmm_(dX.transpose(1, 2), q_blk)
-                dkbias.add_(dX.sum(1, keepdim=True))
+                dX = X.view(Bf, i1 - i0, -1)  # (Bf, bq, (1+rk) bk)
+                dqa[:, i0:i1] += torch.bmm(dX, Kt.transpose(1, 2))
+                dKt.baddbmm_(qa_b.transpose(1, 2), dX)
                 if rq:
-                    dY = Y.mul_(dS.unsqueeze(2)).mul_(-2.0).view(Y.shape[0], -1, j1 - j0)  # (Bf, bq rq, bk)
-                    dQst[:, i0:i1].add_(torch.bmm(dY, k_blk).view(Y.shape[0], i1 - i0, rq, d))
-                    dk_blk.baddbmm_(dY.transpose(1, 2), Qst)
-                    dqbias[:, i0:i1].add_(dY.sum(-1).view(Y.shape[0], i1 - i0, rq))
-            nb = j1 - j0
-            dK4 = dKmat.view(Bf, 1 + rk, nb, d)
-            db4 = dkbias.view(Bf, 1 + rk, nb)
-            dMk[:, j0:j1] = dK4[:, 0]
-            dkb[:, j0:j1] = db4[:, 0]
+                    dY = Y.mul_(dS.unsqueeze(2)).mul_(-2.0).view(Bf, -1, j1 - j0)  # (Bf, bq rq, bk)
+                    dQa[:, i0 * rq:i1 * rq] += torch.bmm(dY, kta_b.transpose(1, 2))
+                    dkta.baddbmm_(Qa.transpose(1, 2), dY)
+            dk_b, dU_b, dlam_b, dW_b = _key_block_backward(dKt, k_b, Mk, lam, W, U_b, scale, ck, need_lam)
+            if rq:
+                dk_b = dk_b + dkta[:, :d].transpose(1, 2)
+            dk[:, j0:j1] = dk_b
+            dv[:, j0:j1] = dv_b
             if rk:
-                dUk[:, j0:j1] = ck * dK4[:, 1:].permute(0, 2, 3, 1)
-                dka[:, j0:j1] = -db4[:, 1:].transpose(1, 2)
-            dv[:, j0:j1] = dv_blk
-            dk[:, j0:j1] += dk_blk
-        # Per-token chain rules, O(n d r): no pairwise tensor below this line.
-        if rk:  # ka = ck U_j^T k_j
-            dUk.view(-1, d, rk).baddbmm_(k.reshape(-1, d, 1), dka.reshape(-1, 1, rk), alpha=ck)
-            dk += ck * (Uk @ dka.unsqueeze(-1)).squeeze(-1)
-        dMk = dMk - 0.5 * dkb.unsqueeze(-1) * k  # kb = -k.Mk/2
-        dk = dk - 0.5 * dkb.unsqueeze(-1) * Mk
-        dMs = scale * dMk  # Mk = scale (lam k + k W W^T)
-        dk = dk + lam.view(-1, 1, 1) * dMs
-        dlam = (k * dMs).sum((1, 2)) if ctx.needs_input_grad[3] else None
-        dW = None
-        if W is not None:
-            dk = dk + (dMs @ W) @ W.transpose(-1, -2)
-            dW = k.transpose(1, 2) @ (dMs @ W) + dMs.transpose(1, 2) @ (k @ W)  # (Bf, d, rs)
+                dUk[:, j0:j1] = dU_b
+            if need_lam:
+                dlam += dlam_b
+            if W is not None:
+                dW += dW_b
+        dq = dqa[..., :d]
         dUq = None
-        if rq:  # Qst = cq U_i^T, qbias = -cq U_i^T q_i
-            dUq = cq * dQst.transpose(-1, -2)  # (Bf, n_q, d, rq)
-            dqb = -dqbias
-            dUq.view(-1, d, rq).baddbmm_(q.reshape(-1, d, 1), dqb.reshape(-1, 1, rq), alpha=cq)
-            dq += cq * (Uq @ dqb.unsqueeze(-1)).squeeze(-1)
+        if rq:  # Qa = [c U_i^T, -c U_i^T q_i]
+            dQa = dQa.view(Bf, n_q, rq, d + 1)
+            dqb = -dQa[..., d]  # (Bf, n_q, rq)
+            dUq = cq * (dQa[..., :d].transpose(-1, -2) + q.unsqueeze(-1) * dqb.unsqueeze(-2))  # (Bf, n_q, d, rq)
+            dq = dq + cq * (Uq * dqb.unsqueeze(-2)).sum(-1)
         return dq, dk, dv, dlam, dW, dUk, dUq, None, None, None, None, None, None, None
 
 
