@@ -18,8 +18,9 @@ are constant along a softmax row,
              \;-\; \sum_{t=1}^{r} \big(\underbrace{q_i\cdot (c\, U_{j,t}) - c\, U_{j,t}\cdot k_j}_{X^{(t)}_{ij}}\big)^2 .
 
 Every :math:`X^{(t)}_{ij}` is an entry of ONE matrix product of the query
-block with the key block's stacked ``[scale M k_j | c U_j]`` (``(1 + r)``
-columns per key) plus a per-column bias, so the score costs ``1 + r`` times
+block, with a constant 1 appended to each query, and the key block's stacked
+``[scale M k_j | c U_j]`` (``(1 + r)`` columns per key, each with its bias in
+the extra row), so the score costs ``1 + r`` times
 :math:`Q K^\top` (``1 + 2r`` for ``"mean"``, whose query side is a second
 product of the stacked ``c U_i`` with the keys). A softmax row is computed
 online over key blocks :cite:`milakov2018online,dao2022flashattention`; the
@@ -168,7 +169,8 @@ def attention_block_sizes(n_q: int, n_k: int, width: int, *, tile: int = 2 ** 18
     (bq, bk) : tuple of int
     """
     bq = max(1, min(n_q, 256))
-    bk = max(32, tile // (bq * width))
+    # a multiple of 64 columns per rank product keeps the GEMM on its fast path
+    bk = max(64, 64 * round(tile / (bq * width * 64)))
     return bq, max(1, min(n_k, bk))
 
 
@@ -455,9 +457,10 @@ def riemannian_attention(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor | None = N
     product of width ``(1 + r) * bk`` (plus a second one of ``r * bq`` rows for
     the query side of ``"mean"``/``"query"``), so score FLOPs are ``1 + r``
     times those of :math:`QK^\top` (``1 + 2r`` for ``"mean"``). Shared metrics
-    cost nothing pairwise: they fold into :math:`M`. Memory: the output, the
-    row log-sum-exp, ``scale * M k`` (the size of ``k``) and one tile of
-    ``bq * bk * (1 + r)`` numbers per batch element, in forward and backward.
+    cost nothing pairwise: they fold into :math:`M`. Memory beyond the output
+    and the gradients: the row log-sum-exp and one tile of ``bq * bk * (1 + r)``
+    numbers per batch element (plus one stacked key block), in forward and
+    backward; nothing of size ``n_q * n_k`` is stored.
 
     Precision: float32 and float64 run natively. Under ``torch.autocast``
     (and for float16/bfloat16 inputs) the operator upcasts to float32, computes
