@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""Riemannian attention against scaled_dot_product_attention, measured in the same run.
+
+    OMP_NUM_THREADS=1 nice python benchmarks/bench_attention.py            # full table
+    OMP_NUM_THREADS=1 python benchmarks/bench_attention.py --quick         # seconds
+
+For every sequence length n and metric rank r (d = 64, h = 4, batch B, metric
+side "key", per-token metrics, float32, no mask) it prints and writes
+(``results/bench_attention_cpu.md`` and ``.json``):
+
+* time ratio to SDPA, forward and forward+backward: SDPA and the operator are
+  timed alternately, ``--reps`` rounds, and the median of the per-round ratios
+  is reported, so a change of machine load between rounds cancels;
+* the FLOP-predicted ratio (see :func:`flops`): matrix products AND the extra
+  elementwise work (squares of the rank products, their gradients, softmax);
+* measured / predicted;
+* peak extra memory, operator vs SDPA, at the largest n: each configuration
+  runs in a fresh subprocess with ``MALLOC_MMAP_THRESHOLD_=65536`` (every
+  large tensor is its own mmap, returned to the system when freed, so the
+  resident set follows the allocations). The call runs twice (the first
+  pages in code); before the second, the kernel's resident-set high-water
+  mark is reset (``/proc/self/clear_refs``), and the peak is ``VmHWM`` after
+  the call minus ``VmRSS`` before it. Inputs (and the output gradient) are
+  allocated before; the gradients of the inputs are allocated by the call and
+  counted (the metric factors' gradient is ``r`` times the size of ``dk``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import riemannian_ref as rr
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def flops(n: int, d: int, r: int, op: str, side: str = "key") -> tuple[float, float]:
+    """(forward, backward) floating-point operations per (batch, head), counted by hand.
+
+    SDPA: scores ``2 n^2 d``, softmax ``5 n^2`` (max, subtract, exp, sum,
+    rescale), ``A V`` ``2 n^2 d``; backward: recomputed scores and softmax,
+    ``dV``, ``dP``, ``dQ``, ``dK`` (``2 n^2 d`` each) and ``dS`` (``3 n^2``).
+    Riemannian (width ``w = 1 + r``, ``1 + 2r`` for "mean"): one product of
+    inner size ``d + 1`` and width ``w`` for the scores, ``2 (w - 1) n^2`` for
+    the squares; backward adds ``dS``, ``dX = -2 X dS`` (``2 (w - 1) n^2``) and
+    the two products of width ``w`` for ``dQ`` and the stacked key block.
+    """
+    n2 = float(n) * n
+    if op == "sdpa":
+        fwd = n2 * (4 * d + 5)
+        bwd = n2 * (2 * d + 2) + n2 * (8 * d + 3)
+        return fwd, bwd
+    w = 1 + (2 * r if side == "mean" else r)
+    score = n2 * (2 * w * (d + 1) + 2 * (w - 1))
+    fwd = score + n2 * (2 * d + 5)
+    bwd = score + n2 * 2 + n2 * (4 * d + 3) + n2 * 2 * (w - 1) + n2 * 4 * w * (d + 1)
+    return fwd, bwd
+
+
+def make_inputs(B, h, n, d, r, side, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, n, d, generator=g) for _ in range(3))
+    U = torch.randn(B, h, n, d, r, generator=g) / (d ** 0.5)
+    Uq = U if side in ("query", "mean") else None
+    Uk = U if side in ("key", "mean") else None
+    if grad:
+        for t in (q, k, v, U):
+            t.requires_grad_()
+    return q, k, v, Uq, Uk
+
+
+def run_once(op, inputs, side, backward, gout=None):
+    q, k, v, Uq, Uk = inputs
+    if op == "sdpa":
+        out = F.scaled_dot_product_attention(q, k, v)
+    else:
+        out = rr.riemannian_attention(q, k, v, Uq, Uk, metric_side=side)
+    if backward:
+        out.backward(gout)
+    return out
+
+
+def timed(op, inputs, side, backward, gout):
+    t0 = time.perf_counter()
+    if backward:
+        run_once(op, inputs, side, True, gout)
+    else:
+        with torch.no_grad():
+            run_once(op, inputs, side, False)
+    return time.perf_counter() - t0
+
+
+def time_pair(B, h, n, d, r, side, backward, reps):
+    """Alternate SDPA and the operator; per-round ratios."""
+    ins = make_inputs(B, h, n, d, r, side, grad=backward)
+    gout = torch.randn(B, h, n, d, generator=torch.Generator().manual_seed(1)) if backward else None
+    timed("sdpa", ins, side, backward, gout)  # warm-up
+    timed("rr", ins, side, backward, gout)
+    ts, to = [], []
+    for _ in range(reps):
+        ts.append(timed("sdpa", ins, side, backward, gout))
+        to.append(timed("rr", ins, side, backward, gout))
+    ratios = [b / a for a, b in zip(ts, to)]
+    return statistics.median(ratios), min(ts), min(to), ratios
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def mem_child(B, h, n, d, r, side, op, backward):
+    """Peak extra resident memory (bytes) of one call, measured in this (fresh) process."""
+    torch.set_num_threads(1)
+    ins = make_inputs(B, h, n, d, r, side, grad=backward)
+    gout = torch.ones(B, h, n, d) if backward else None
+    for _ in range(2):  # the first call pages in code and sets up; the second is measured
+        for t in ins:
+            if t is not None:
+                t.grad = None
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the resident-set high-water mark (VmHWM)
+        before = _status("VmRSS:")
+        if backward:
+            run_once(op, ins, side, True, gout)
+        else:
+            with torch.no_grad():
+                run_once(op, ins, side, False)
+        peak = _status("VmHWM:")
+    return max(peak - before, 0)
+
+
+def measure_mem(args, n, r, op, backward):
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, __file__, "--mem-child", str(n), str(r), op, str(int(backward)),
+           "--B", str(args.B), "--heads", str(args.heads), "--d", str(args.d), "--side", args.side]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    return int(res.stdout.strip().splitlines()[-1])
+
+
+def machine_info(threads):
+    model = platform.processor() or "?"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__, "threads": threads,
+            "python": platform.python_version()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="n = 512, 1024; r = 1, 4; 2 rounds")
+    p.add_argument("--ns", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--B", type=int, default=1)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d", type=int, default=64)
+    p.add_argument("--side", default="key", choices=["key", "query", "mean"])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-mem", action="store_true", help="skip the memory subprocesses")
+    p.add_argument("--out", default=str(ROOT / "results" / "bench_attention_cpu"),
+                   help="write OUT.md and OUT.json ('' to skip)")
+    p.add_argument("--mem-child", nargs=4, metavar=("N", "R", "OP", "BWD"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.mem_child:
+        n, r, op, bwd = args.mem_child
+        print(mem_child(args.B, args.heads, int(n), args.d, int(r), args.side, op, bool(int(bwd))))
+        return
+    if args.quick:
+        args.ns, args.ranks, args.reps = [512, 1024], [1, 4], 2
+    threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
+    torch.set_num_threads(threads)
+    info = machine_info(threads)
+    info["load_before"] = os.getloadavg()
+    info.update(B=args.B, h=args.heads, d=args.d, side=args.side, reps=args.reps, dtype="float32")
+    rows = []
+    print(f"# {info['cpu']}, torch {info['torch']}, {threads} thread(s), load {info['load_before'][0]:.2f}")
+    print(f"{'n':>5} {'r':>2} {'pass':>8} {'SDPA ms':>9} {'ours ms':>9} {'ratio':>6} {'pred':>5} {'meas/pred':>9}")
+    for n in args.ns:
+        for r in args.ranks:
+            for backward in (False, True):
+                ratio, ts, to, all_r = time_pair(args.B, args.heads, n, args.d, r, args.side, backward, args.reps)
+                fs, fo = flops(n, args.d, r, "sdpa"), flops(n, args.d, r, "rr", args.side)
+                pred = (fo[0] + fo[1] * backward) / (fs[0] + fs[1] * backward)
+                row = dict(n=n, r=r, passes="fwd+bwd" if backward else "fwd", sdpa_ms=ts * 1e3, ours_ms=to * 1e3,
+                           ratio=ratio, ratio_rounds=all_r, predicted=pred, measured_over_predicted=ratio / pred)
+                rows.append(row)
+                print(f"{n:>5} {r:>2} {row['passes']:>8} {ts * 1e3:9.1f} {to * 1e3:9.1f} {ratio:6.2f} "
+                      f"{pred:5.2f} {ratio / pred:9.2f}", flush=True)
+    mem = []
+    if not args.no_mem:
+        n = max(args.ns)
+        for backward in (False, True):
+            base = measure_mem(args, n, 1, "sdpa", backward)
+            for r in args.ranks:
+                ours = measure_mem(args, n, r, "rr", backward)
+                mem.append(dict(n=n, r=r, passes="fwd+bwd" if backward else "fwd", sdpa_MiB=base / 2 ** 20,
+                                ours_MiB=ours / 2 ** 20, ratio=ours / max(base, 1)))
+                print(f"memory n={n} r={r} {mem[-1]['passes']}: SDPA {base / 2 ** 20:.1f} MiB, "
+                      f"ours {ours / 2 ** 20:.1f} MiB, ratio {ours / max(base, 1):.2f}", flush=True)
+    info["load_after"] = os.getloadavg()
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps({"machine": info, "time": rows, "memory": mem}, indent=1))
+        out.with_suffix(".md").write_text(to_markdown(info, rows, mem))
+        print(f"wrote {out.with_suffix('.md')} and .json")
+
+
+def to_markdown(info, rows, mem):
+    lines = [
+        "# Riemannian attention vs scaled_dot_product_attention (CPU)",
+        "",
+        f"Machine: {info['cpu']} ({info['cores']} cores, shared), torch {info['torch']}, "
+        f"{info['threads']} thread(s), float32, B = {info['B']}, h = {info['h']}, d = {info['d']}, "
+        f"metric_side = {info['side']!r}, per-token metrics, no mask. Load average (1, 5, 15 min) "
+        f"before: {', '.join(f'{x:.2f}' for x in info['load_before'])}; after: "
+        f"{', '.join(f'{x:.2f}' for x in info['load_after'])}. Ratios are medians over {info['reps']} "
+        "alternating rounds measured in the same run.",
+        "",
+        "| n | r | pass | SDPA ms | ours ms | time ratio | FLOP-predicted | measured / predicted |",
+        "|---:|---:|:---|---:|---:|---:|---:|---:|",
+    ]
+    for x in rows:
+        lines.append(f"| {x['n']} | {x['r']} | {x['passes']} | {x['sdpa_ms']:.1f} | {x['ours_ms']:.1f} | "
+                     f"{x['ratio']:.2f} | {x['predicted']:.2f} | {x['measured_over_predicted']:.2f} |")
+    if mem:
+        lines += ["", "Peak extra memory of one call (fresh process, second call, resident-set high-water "
+                  "mark minus the resident set before the call; fwd+bwd includes the input gradients):", "",
+                  "| n | r | pass | SDPA MiB | ours MiB | ratio |", "|---:|---:|:---|---:|---:|---:|"]
+        for x in mem:
+            lines.append(f"| {x['n']} | {x['r']} | {x['passes']} | {x['sdpa_MiB']:.1f} | {x['ours_MiB']:.1f} | "
+                         f"{x['ratio']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
