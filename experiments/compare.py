@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -116,6 +117,7 @@ def main(argv=None):
     ap.add_argument("--num-pairs", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--n-train", type=int, default=8192)
+    ap.add_argument("--n-val", type=int, default=256)
     ap.add_argument("--p", type=int, default=59)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -136,7 +138,7 @@ def main(argv=None):
     lrs = [float(x) for x in a.lrs.split(",")]
     seeds = [int(x) for x in a.seeds.split(",")]
     tc = TaskConfig(name=a.task, vocab_size=a.vocab_size, num_pairs=a.num_pairs, seq_len=a.seq_len,
-                    n_train=a.n_train, p=a.p)
+                    n_train=a.n_train, n_val=a.n_val, p=a.p)
     data_by_seed = {s: task_data(tc, s) for s in seeds}
     V, n = data_by_seed[seeds[0]][0].vocab_size, data_by_seed[seeds[0]][0].seq_len
 
@@ -207,6 +209,8 @@ def main(argv=None):
         "runs_grid": grid, "runs_matched_params": matched, "runs_matched_wallclock": wallclock,
         "wall_s": time.perf_counter() - t_start, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
         "nice": os.nice(0), "threads": torch.get_num_threads(), "device": a.device,
+        "model_source_sha256": {m: hashlib.sha256(open(getattr(rr, m).__file__, "rb").read()).hexdigest()
+                                for m in ("model", "connections") if hasattr(rr, m)},
         "torch": torch.__version__, "python": sys.version.split()[0], "argv": sys.argv[1:] if argv is None else argv,
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
