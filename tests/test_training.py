@@ -3,6 +3,7 @@ exact resumption, two-process DDP, and errors for bad configurations."""
 import math
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -218,3 +219,45 @@ def test_ddp_two_ranks_end_identical(tmp_path):
     # rank 0's initial weights were broadcast: the loss at step 0 is rank 0's model's
     tr, va = _recall()
     assert r0["history"]["val_loss"][0] == pytest.approx(rr.evaluate(_model(seed=0), va)["loss"], rel=1e-6)
+
+
+# ---- the command line -------------------------------------------------------
+
+def _train_script():
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "train.py")
+    spec = importlib.util.spec_from_file_location("rr_train_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["rr_train_script"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("mode", ["euclidean", "riemannian"])
+def test_train_script_result_and_resume(tmp_path, mode):
+    script = _train_script()
+    args = ["--task", "recall", "--mode", mode, "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
+            "--vocab-size", "16", "--num-pairs", "3", "--seq-len", "12", "--steps", "6", "--eval-interval", "3",
+            "--batch-size", "8", "--device", "cpu", "--no-progress", "--checkpoint", str(tmp_path / "c.pt")]
+    full = script.main(args + ["--out", str(tmp_path / "full.json"), "--checkpoint", str(tmp_path / "f.pt")])
+    script.main(args + ["--out", str(tmp_path / "part.json"), "--stop-at-step", "4"])
+    resumed = script.main(args + ["--out", str(tmp_path / "part.json"), "--resume"])
+    assert resumed["history"]["val_loss"] == full["history"]["val_loss"]
+    import json
+    with open(tmp_path / "part.json") as f:
+        on_disk = json.load(f)
+    assert on_disk["steps_done"] == 6 and on_disk["model"]["mode"] == mode and on_disk["n_params"] > 0
+
+
+def test_train_script_config_file_and_bad_keys(tmp_path):
+    script = _train_script()
+    good = tmp_path / "cfg.json"
+    good.write_text('{"task": {"name": "modadd", "p": 7}, "train": {"lr": 0.01, "steps": 3}}')
+    cfg, _ = script.parse_args(["--config", str(good), "--steps", "5"])
+    assert cfg.task.name == "modadd" and cfg.task.p == 7 and cfg.train.lr == 0.01 and cfg.train.steps == 5
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train": {"learning_rate": 0.01}}')
+    with pytest.raises(ValueError, match="learning_rate"):
+        script.parse_args(["--config", str(bad)])
+    with pytest.raises(ValueError, match="mode"):
+        script.build_model(script.ModelConfig(mode="hyperbolic"), 16, 12)
