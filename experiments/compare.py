@@ -118,6 +118,7 @@ def main(argv=None):
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--n-train", type=int, default=8192)
     ap.add_argument("--n-val", type=int, default=256)
+    ap.add_argument("--eval-max", type=int, default=None, help="evaluate on the first EVAL_MAX validation examples")
     ap.add_argument("--p", type=int, default=59)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -160,7 +161,8 @@ def main(argv=None):
     def tcfg(lr, seed, steps):
         return rr.TrainConfig(lr=lr, seed=seed, steps=steps, batch_size=a.batch_size,
                               eval_interval=max(1, min(a.eval_interval, steps)), weight_decay=a.weight_decay,
-                              warmup_steps=min(20, steps // 10), device=a.device, progress=False)
+                              warmup_steps=min(20, steps // 10), device=a.device, progress=False,
+                              eval_max_examples=a.eval_max)
 
     jobs = len(modes) * len(lrs) + len(modes) * (len(seeds) - 1)
     jobs += 0 if a.no_wallclock else (len(modes) - 1) * len(seeds)
