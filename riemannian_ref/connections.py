@@ -22,7 +22,11 @@ with positions :math:`p` and angular *rates* :math:`\omega_j \in \mathbb{R}^{d/2
 - ``"content"``: :math:`\omega_j = \Theta(x_j)` depends on the source token's
   content: curved in general.
 
-Because every :math:`P` is a rotation, :math:`P^\top = P^{-1}`. Transporting
+Because every :math:`P` is a rotation, :math:`P^\top = P^{-1}`. For the
+content connection, however, the reverse edge is not the inverse:
+:math:`P_{i\to j} P_{j\to i}` turns by :math:`(p_j - p_i)(\omega_i - \omega_j)`,
+since each edge reads its rate at its source; two-edge loops already have
+holonomy. Transporting
 the key's metric along with the key, :math:`G_j \mapsto P G_j P^\top`, gives the
 distance
 
@@ -105,8 +109,12 @@ def rotate_pairs(x: Tensor, angles: Tensor) -> Tensor:
         raise ValueError(f"x must have an even last dimension (pairs), got {shape_str(x)}")
     if angles.shape[-1] != x.shape[-1] // 2:
         raise ValueError(f"angles must have shape [..., d/2] = [..., {x.shape[-1] // 2}], got {shape_str(angles)}")
+    return _rotate_cs(x, torch.cos(angles), torch.sin(angles))
+
+
+def _rotate_cs(x: Tensor, c: Tensor, s: Tensor) -> Tensor:
+    """:func:`rotate_pairs` with the cosines and sines given (reused across calls)."""
     x1, x2 = x[..., 0::2], x[..., 1::2]  # (..., d/2) each
-    c, s = torch.cos(angles), torch.sin(angles)
     y1 = x1 * c - x2 * s
     y2 = x1 * s + x2 * c
     return torch.stack((y1, y2), dim=-1).flatten(-2)  # (..., d)
@@ -301,14 +309,15 @@ def connection_attention(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor | None = N
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     phi = transport_angles(theta, p)  # angle of P_{j->i}                   (..., n_i, n_j, d/2)
-    kt = rotate_pairs(k.unsqueeze(-3), phi)  # P_{j->i} k_j                (..., n_i, n_j, d)
+    cos, sin = torch.cos(phi), torch.sin(phi)  # shared by keys, values and the key metric
+    kt = _rotate_cs(k.unsqueeze(-3), cos, sin)  # P_{j->i} k_j             (..., n_i, n_j, d)
     diff = q.unsqueeze(-2) - kt  # q_i - P k_j                             (..., n_i, n_j, d)
     lam_s = lam_t.unsqueeze(-1).unsqueeze(-1) if lam_t.dim() > 0 else lam_t
     dist2 = lam_s * (diff * diff).sum(-1)  # (..., n_i, n_j)
     low = 0.0
     if metric_side in ("key", "mean"):
         Uk = _per_token(U_k, per_k, n)  # (..., n_j, d, r)
-        back = rotate_pairs(diff, -phi)  # P^T (q_i - P k_j) = P^T q_i - k_j   (..., n_i, n_j, d)
+        back = _rotate_cs(diff, cos, -sin)  # P^T (q_i - P k_j) = P^T q_i - k_j  (..., n_i, n_j, d)
         a = torch.einsum("...ijd,...jdr->...ijr", back, Uk)  # (..., n_i, n_j, r)
         low = low + (a * a).sum(-1) * (0.5 if metric_side == "mean" else 1.0)
     if metric_side in ("query", "mean"):
@@ -326,7 +335,7 @@ def connection_attention(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor | None = N
     A = A / A.sum(-1, keepdim=True).clamp_min(torch.finfo(A.dtype).tiny)
     if dropout_p > 0.0:
         A = torch.nn.functional.dropout(A, p=dropout_p)
-    vt = rotate_pairs(v.unsqueeze(-3), phi)  # P_{j->i} v_j                (..., n_i, n_j, d)
+    vt = _rotate_cs(v.unsqueeze(-3), cos, sin)  # P_{j->i} v_j             (..., n_i, n_j, d)
     out = torch.einsum("...ij,...ijd->...id", A, vt)  # mixed in fibre i    (..., n_i, d)
     return (out, A) if return_weights else out
 

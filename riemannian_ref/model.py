@@ -569,7 +569,7 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
     if cfg.mode != "euclidean":
         out["metric"] = L * (2 * n * D * h * d * r + sides * 2 * n * n * D * r)  # metric net + U^T (q - k)
     if cfg.mode == "fiber_bundle" and cfg.connection == "flat":
-        out["connection"] = L * 3 * n * D * (3 + (r * sides))  # rotate q, k, v, U, output: O(n D r)
+        out["connection"] = L * 3 * n * D * (4 + r * sides)  # rotate q, k, v, output and U: O(n D r)
     if cfg.mode == "fiber_bundle" and cfg.connection == "content":
         rotations = 2 + (1 if cfg.metric_side in ("key", "mean") else 0)  # keys, values, (P^T on key side)
         out["connection"] = L * (2 * n * D * D // 2 + n * n * D + rotations * 3 * n * n * D)
