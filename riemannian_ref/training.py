@@ -215,6 +215,10 @@ def evaluate(model: nn.Module, data: TaskData, *, batch_size: int = 256, device:
     """
     device = torch.device(device)
     rank, world = _dist()
+    # Evaluate the bare module: a DDP forward may run collectives (buffer broadcast),
+    # which would hang when the ranks' shards give different numbers of batches.
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
     n = len(data) if max_examples is None else min(len(data), max_examples)
     idx = torch.arange(rank, n, world)
     was_training = model.training
