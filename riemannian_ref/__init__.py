@@ -16,8 +16,10 @@ from .intrinsic import *  # noqa: F401,F403
 from .manifolds import *  # noqa: F401,F403
 from .optim import *  # noqa: F401,F403
 from .tiny_transformer import *  # noqa: F401,F403
+from .tasks import *  # noqa: F401,F403
+from .training import *  # noqa: F401,F403
 from .plotting import *  # noqa: F401,F403
 
-from . import metrics, scores, attention, theory, geodesics, connections, model, diagnostics, stacks, intrinsic, manifolds, optim, tiny_transformer, plotting  # noqa: F401
+from . import metrics, scores, attention, theory, geodesics, connections, model, diagnostics, stacks, intrinsic, manifolds, optim, tiny_transformer, tasks, training, plotting  # noqa: F401
 
 __version__ = "0.1.0"

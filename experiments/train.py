@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Train one model on one task; write the metrics history to a JSON result file.
+
+Single process on CPU or CUDA:
+
+    python experiments/train.py --task recall --mode riemannian --steps 500 \
+        --out results/train_recall_riemannian.json
+
+and, unchanged, with DistributedDataParallel (gloo on CPU, NCCL on CUDA),
+each rank training on its own shard of the examples:
+
+    torchrun --nproc_per_node 2 experiments/train.py --task recall --mode euclidean ...
+
+Configs can also come from a small JSON file (``--config cfg.json``) holding
+``{"task": {...}, "model": {...}, "train": {...}}``; command-line flags given
+explicitly override it. Checkpoints go to ``checkpoints/`` (git-ignored);
+``--resume`` continues an interrupted run exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import riemannian_ref as rr
+
+MODES = ("euclidean", "riemannian", "fiber_bundle")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "recall"  # "recall", "modadd" or "charlm"
+    vocab_size: int = 32  # recall
+    num_pairs: int = 8  # recall
+    seq_len: int = 32  # recall: sequence length; charlm: block size
+    n_train: int = 4096  # recall
+    n_val: int = 512  # recall
+    p: int = 59  # modadd
+    train_fraction: float = 0.4  # modadd
+
+
+@dataclass
+class ModelConfig:
+    mode: str = "euclidean"  # "euclidean", "riemannian" or "fiber_bundle"
+    d_model: int = 64  # width D
+    n_layers: int = 2
+    n_heads: int = 4
+    metric_rank: int = 2  # r (riemannian and fiber_bundle)
+    extra: dict = field(default_factory=dict)  # any further FiberBundleConfig fields, passed through
+
+
+@dataclass
+class RunConfig:
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: rr.TrainConfig = field(default_factory=rr.TrainConfig)
+    model_seed: int = 0  # initialisation seed (the data seed is train.seed)
+
+
+def task_data(tc: TaskConfig, seed: int) -> tuple[rr.TaskData, rr.TaskData]:
+    """Train and validation data of the task (identical on every rank)."""
+    if tc.name == "recall":
+        return rr.make_task("recall", seed=seed, n_train=tc.n_train, n_val=tc.n_val,
+                            vocab_size=tc.vocab_size, num_pairs=tc.num_pairs, seq_len=tc.seq_len)
+    if tc.name == "modadd":
+        return rr.make_task("modadd", seed=seed, p=tc.p, train_fraction=tc.train_fraction)
+    if tc.name == "charlm":
+        return rr.make_task("charlm", block_size=tc.seq_len)
+    raise ValueError(f"task must be one of 'recall', 'modadd', 'charlm', got {tc.name!r}")
+
+
+# Our generic size names and the spellings a model config may use for them.
+_ALIASES = {
+    "vocab_size": ("vocab_size",),
+    "block_size": ("block_size", "max_seq_len", "n_ctx", "seq_len", "max_len"),
+    "d_model": ("d_model", "n_embd", "width"),
+    "n_layers": ("n_layers", "n_layer", "depth"),
+    "n_heads": ("n_heads", "n_head"),
+    "metric_rank": ("metric_rank", "rank", "r"),
+    "mode": ("mode",),
+}
+
+
+def build_model(mc: ModelConfig, vocab_size: int, block_size: int) -> torch.nn.Module:
+    """A :class:`riemannian_ref.FiberBundleTransformer` of the given mode and sizes."""
+    if mc.mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mc.mode!r}")
+    if not hasattr(rr, "FiberBundleTransformer"):
+        raise RuntimeError("riemannian_ref.FiberBundleTransformer is not available (riemannian_ref/model.py)")
+    names = {f.name for f in dataclasses.fields(rr.FiberBundleConfig)}
+    want = {"vocab_size": vocab_size, "block_size": block_size, "d_model": mc.d_model,
+            "n_layers": mc.n_layers, "n_heads": mc.n_heads, "metric_rank": mc.metric_rank, "mode": mc.mode}
+    kw = {}
+    for key, val in want.items():
+        hit = [a for a in _ALIASES[key] if a in names]
+        if hit:
+            kw[hit[0]] = val
+        elif key in ("vocab_size", "mode"):
+            raise RuntimeError(f"FiberBundleConfig has no field for {key}; fields: {sorted(names)}")
+    unknown = set(mc.extra) - names
+    if unknown:
+        raise ValueError(f"model.extra names fields FiberBundleConfig lacks: {sorted(unknown)}")
+    kw.update(mc.extra)
+    return rr.FiberBundleTransformer(rr.FiberBundleConfig(**kw))
+
+
+def _merge(dc, updates: dict):
+    """A copy of dataclass ``dc`` with ``updates`` applied (recursing into nested dataclasses)."""
+    out = {}
+    for f in dataclasses.fields(dc):
+        cur = getattr(dc, f.name)
+        if f.name in updates:
+            new = updates[f.name]
+            out[f.name] = _merge(cur, new) if dataclasses.is_dataclass(cur) and isinstance(new, dict) else new
+        else:
+            out[f.name] = cur
+    bad = set(updates) - {f.name for f in dataclasses.fields(dc)}
+    if bad:
+        raise ValueError(f"unknown config keys for {type(dc).__name__}: {sorted(bad)}")
+    if "betas" in out and isinstance(out["betas"], list):
+        out["betas"] = tuple(out["betas"])
+    return type(dc)(**out)
+
+
+def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="JSON file with {task: {...}, model: {...}, train: {...}}")
+    ap.add_argument("--task", choices=("recall", "modadd", "charlm"))
+    ap.add_argument("--mode", choices=MODES)
+    ap.add_argument("--d-model", type=int)
+    ap.add_argument("--n-layers", type=int)
+    ap.add_argument("--n-heads", type=int)
+    ap.add_argument("--metric-rank", type=int)
+    ap.add_argument("--vocab-size", type=int, help="recall vocabulary")
+    ap.add_argument("--num-pairs", type=int, help="recall key-value pairs")
+    ap.add_argument("--seq-len", type=int, help="recall sequence length / charlm block size")
+    ap.add_argument("--p", type=int, help="modadd modulus")
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"))
+    ap.add_argument("--lr", type=float)
+    ap.add_argument("--weight-decay", type=float)
+    ap.add_argument("--schedule", choices=("constant", "cosine"))
+    ap.add_argument("--warmup-steps", type=int)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--eval-interval", type=int)
+    ap.add_argument("--seed", type=int, help="data/batch-order seed and (unless --model-seed) init seed")
+    ap.add_argument("--model-seed", type=int)
+    ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    ap.add_argument("--out", help="result JSON (default results/train_<task>_<mode>_s<seed>.json)")
+    ap.add_argument("--checkpoint", help="checkpoint path (default checkpoints/<result name>.pt)")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--stop-at-step", type=int, help="stop early, checkpointed (resume later)")
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
+
+    cfg = RunConfig()
+    if a.config:
+        with open(a.config) as f:
+            cfg = _merge(cfg, json.load(f))
+    task = {"name": a.task, "vocab_size": a.vocab_size, "num_pairs": a.num_pairs, "seq_len": a.seq_len, "p": a.p}
+    model = {"mode": a.mode, "d_model": a.d_model, "n_layers": a.n_layers, "n_heads": a.n_heads,
+             "metric_rank": a.metric_rank}
+    train = {"optimizer": a.optimizer, "lr": a.lr, "weight_decay": a.weight_decay, "schedule": a.schedule,
+             "warmup_steps": a.warmup_steps, "steps": a.steps, "batch_size": a.batch_size,
+             "eval_interval": a.eval_interval, "seed": a.seed, "device": a.device,
+             "stop_at_step": a.stop_at_step}
+    upd = {"task": {k: v for k, v in task.items() if v is not None},
+           "model": {k: v for k, v in model.items() if v is not None},
+           "train": {k: v for k, v in train.items() if v is not None}}
+    if a.model_seed is not None:
+        upd["model_seed"] = a.model_seed
+    elif a.seed is not None:
+        upd["model_seed"] = a.seed
+    cfg = _merge(cfg, upd)
+    return cfg, a
+
+
+def main(argv=None) -> dict:
+    cfg, a = parse_args(argv)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if cfg.train.device == "cpu" and a.device is None and torch.cuda.is_available():
+        cfg.train.device = "cuda"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if distributed:
+        backend = "nccl" if cfg.train.device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(local_rank)
+            cfg.train.device = f"cuda:{local_rank}"
+        dist.init_process_group(backend)
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    try:
+        tc, mc = cfg.task, cfg.model
+        tag = f"{tc.name}_{mc.mode}_s{cfg.train.seed}"
+        out = a.out or os.path.join("results", f"train_{tag}.json")
+        cfg.train.checkpoint_path = a.checkpoint or os.path.join("checkpoints", f"train_{tag}.pt")
+        cfg.train.resume = a.resume
+        cfg.train.progress = not a.no_progress and rank == 0
+        train_data, val_data = task_data(tc, cfg.train.seed)
+        torch.manual_seed(cfg.model_seed)
+        model = build_model(mc, train_data.vocab_size, train_data.seq_len)
+        t0 = time.perf_counter()
+        res = rr.train(model, train_data, val_data, cfg.train)
+        wall = time.perf_counter() - t0
+        record = {
+            "task": asdict(tc), "model": asdict(mc), "train": res.config, "model_seed": cfg.model_seed,
+            "world_size": world, "n_params": res.n_params, "steps_done": res.steps_done,
+            "train_time_s": res.train_time_s, "wall_s": wall, "tokens_per_s": res.tokens_per_s,
+            "final": res.final, "history": res.history,
+            "torch": torch.__version__, "python": sys.version.split()[0],
+            "threads": torch.get_num_threads(),
+            "loadavg": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        }
+        if rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            with open(out, "w") as f:
+                json.dump(record, f, indent=1)
+            print(f"{tag}: val_loss {res.final['val_loss']:.4f} val_acc {res.final['val_accuracy']:.4f} "
+                  f"({res.n_params} params, {res.tokens_per_s:.0f} tok/s, world {world}) -> {out}")
+        return record
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""Tasks and the training loop: invariants of the generators, determinism,
+exact resumption, two-process DDP, and errors for bad configurations."""
+import math
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import riemannian_ref as rr
+
+
+class TinyLM(nn.Module):
+    """One causal self-attention layer: enough to exercise the loop quickly."""
+
+    def __init__(self, vocab: int, n: int, D: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, D)
+        self.pos = nn.Parameter(torch.zeros(n, D))
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, vocab)
+        self.register_buffer("scale", torch.ones(()))  # a buffer, as DDP broadcasts them in forward
+
+    def forward(self, idx):
+        B, n = idx.shape
+        x = self.emb(idx) + self.pos[:n]
+        causal = torch.ones(n, n, dtype=torch.bool).triu(1)
+        a, _ = self.attn(x, x, x, attn_mask=causal, need_weights=False)
+        return self.head(self.norm(x + a)) * self.scale
+
+
+def _recall(seed=0):
+    return rr.make_task("recall", seed=seed, n_train=256, n_val=64, vocab_size=16, num_pairs=3, seq_len=12)
+
+
+def _model(seed=0, vocab=16, n=12):
+    torch.manual_seed(seed)
+    return TinyLM(vocab, n)
+
+
+# ---- task generators ------------------------------------------------------
+
+@pytest.mark.parametrize("V,N,n", [(16, 3, 12), (64, 8, 32), (64, 32, 66)])
+def test_recall_answers_are_determined_by_context(V, N, n):
+    d = rr.associative_recall(200, vocab_size=V, num_pairs=N, seq_len=n, seed=3)
+    assert d.x.shape == (200, n) and d.x.min() >= 0 and d.x.max() < V
+    keys, values = d.x[:, 0:2 * N:2], d.x[:, 1:2 * N:2]
+    assert (keys < V // 2).all() and (values >= V // 2).all()
+    # keys are distinct within each sequence, so a key names one value
+    assert (keys.sort(dim=1).values.diff(dim=1) > 0).all()
+    assert d.mask.sum(dim=1).eq((n - 2 * N) // 2).all()
+    assert not d.mask[:, :2 * N].any()
+    for b in range(20):
+        table = dict(zip(keys[b].tolist(), values[b].tolist()))
+        for t in d.mask[b].nonzero().flatten().tolist():
+            q, a = d.x[b, t].item(), d.y[b, t].item()
+            assert table[q] == a and d.x[b, t + 1].item() == a
+
+
+def test_recall_deterministic_and_seed_dependent():
+    a = rr.associative_recall(50, seed=1)
+    b = rr.associative_recall(50, seed=1)
+    c = rr.associative_recall(50, seed=2)
+    assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+    assert not torch.equal(a.x, c.x)
+
+
+@pytest.mark.parametrize("p,frac", [(7, 0.3), (13, 0.5), (97, 0.4)])
+def test_modular_addition_split(p, frac):
+    tr, va = rr.modular_addition(p, train_fraction=frac, seed=0)
+    assert len(tr) + len(va) == p * p and len(tr) == round(frac * p * p)
+    pairs = lambda d: {(int(a), int(b)) for a, b in d.x[:, :2].tolist()}  # noqa: E731
+    assert not pairs(tr) & pairs(va)
+    for d in (tr, va):
+        assert torch.equal(d.y[:, 2], (d.x[:, 0] + d.x[:, 1]) % p)
+        assert d.mask[:, 2].all() and d.mask.sum() == len(d)
+        assert (d.x[:, 2] == p).all() and d.vocab_size == p + 1
+
+
+def test_char_lm_shift_and_heldout_split():
+    text = rr.stdlib_docstring_text()
+    tr, va, info = rr.char_lm(block_size=32, text=text)
+    assert len(text) > 50_000 and len(info["chars"]) == tr.vocab_size == len(set(text))
+    assert torch.equal(tr.x[:, 1:], tr.y[:, :-1])  # y is x shifted by one
+    assert tr.mask.all() and len(va) > 0
+    decode = lambda ids: "".join(info["chars"][i] for i in ids.tolist())  # noqa: E731
+    cut = len(text) - int(0.1 * len(text))
+    # training windows lie before the cut, validation windows after it
+    assert decode(tr.x[0]) == text[:32] and decode(tr.y[-1]) in text[:cut]
+    assert decode(va.x[0]) == text[cut:cut + 32]
+    assert text[cut - 100:cut] not in decode(va.x.flatten())
+
+
+@pytest.mark.parametrize("kw", [dict(vocab_size=15), dict(num_pairs=40, vocab_size=64),
+                                dict(seq_len=16, num_pairs=8), dict(seq_len=33)])
+def test_recall_bad_arguments(kw):
+    with pytest.raises(ValueError):
+        rr.associative_recall(4, **kw)
+
+
+def test_make_task_unknown():
+    with pytest.raises(ValueError, match="task must be one of"):
+        rr.make_task("sorting")
+
+
+# ---- training loop --------------------------------------------------------
+
+def _cfg(**kw):
+    base = dict(lr=3e-3, steps=12, batch_size=8, eval_interval=4, seed=0, warmup_steps=2)
+    base.update(kw)
+    return rr.TrainConfig(**base)
+
+
+def test_schedule_shape():
+    c = rr.TrainConfig(lr=1.0, steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [rr.lr_at(s, c) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    c2 = rr.TrainConfig(lr=0.5, steps=50, schedule="constant")
+    assert {rr.lr_at(s, c2) for s in range(50)} == {0.5}
+
+
+def test_training_learns_and_history_is_complete():
+    tr, va = _recall()
+    seen = []
+    res = rr.train(_model(), tr, va, _cfg(steps=60, eval_interval=20, lr=1e-2),
+                   hooks=[lambda step, m: seen.append((step, m["val_loss"]))])
+    h = res.history
+    assert h["step"] == [0, 20, 40, 60] and [s for s, _ in seen] == h["step"]
+    assert all(len(v) == 4 for v in h.values())
+    assert math.isnan(h["train_loss"][0]) and h["train_loss"][-1] < h["train_loss"][1]
+    assert res.tokens_per_s > 0 and res.n_params == sum(p.numel() for p in _model().parameters())
+    assert 0 <= res.final["val_accuracy"] <= 1
+
+
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])
+def test_deterministic_given_seed(opt):
+    tr, va = _recall()
+    r1 = rr.train(m1 := _model(), tr, va, _cfg(optimizer=opt))
+    r2 = rr.train(m2 := _model(), tr, va, _cfg(optimizer=opt))
+    r3 = rr.train(m3 := _model(), tr, va, _cfg(optimizer=opt, seed=1))
+    assert r1.history["val_loss"] == r2.history["val_loss"]
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+    assert not all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m3.state_dict().values()))
+
+
+@pytest.mark.parametrize("stop", [4, 7])  # at an evaluation and between two
+def test_resume_matches_uninterrupted(tmp_path, stop):
+    tr, va = _recall()
+    full = rr.train(m_full := _model(), tr, va, _cfg())
+    ck = str(tmp_path / "ck.pt")
+    rr.train(_model(), tr, va, _cfg(checkpoint_path=ck, stop_at_step=stop))
+    # a fresh model (different init): everything must come from the checkpoint
+    res = rr.train(m_res := _model(seed=5), tr, va, _cfg(checkpoint_path=ck, resume=True))
+    assert res.steps_done == 12
+    for k in ("step", "lr", "train_loss", "val_loss", "val_accuracy"):
+        assert res.history[k][1:] == full.history[k][1:], k
+    assert res.history["val_loss"][0] == full.history["val_loss"][0]
+    for a, b in zip(m_full.state_dict().values(), m_res.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(optimizer="adam"), "optimizer"), (dict(schedule="linear"), "schedule"),
+    (dict(lr=-1.0), "lr"), (dict(steps=0), "steps"), (dict(warmup_steps=12), "warmup_steps"),
+    (dict(grad_clip=0.0), "grad_clip"), (dict(resume=True), "checkpoint_path"),
+    (dict(stop_at_step=13), "stop_at_step"), (dict(batch_size=2.5), "batch_size"),
+])
+def test_bad_config(kw, msg):
+    tr, va = _recall()
+    with pytest.raises(ValueError, match=msg):
+        rr.train(_model(), tr, va, _cfg(**kw))
+
+
+def test_masked_loss_ignores_unscored_positions(gen):
+    logits = torch.randn(2, 5, 7, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 7, (2, 5), generator=gen)
+    mask = torch.tensor([[0, 1, 0, 0, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    other = logits.clone()
+    other[~mask] = 100.0
+    a = rr.masked_cross_entropy(logits, y, mask)
+    assert torch.equal(a, rr.masked_cross_entropy(other, y, mask))
+    manual = -torch.log_softmax(logits, -1)[mask].gather(1, y[mask][:, None]).mean()
+    assert torch.allclose(a, manual.float())
+
+
+# ---- two processes, gloo ----------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        tr, va = _recall()
+        va = tr.subset(slice(0, 65))  # shards of 33 and 32: 2 and 1 evaluation batches of 32
+        model = _model(seed=rank)  # different inits: DDP must broadcast rank 0's
+        res = rr.train(model, tr, va, _cfg(steps=6, eval_interval=3, eval_batch_size=32))
+        torch.save({"state": model.state_dict(), "history": res.history}, os.path.join(out_dir, f"r{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_end_identical(tmp_path):
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"r{r}.pt") for r in (0, 1))
+    for k, a in r0["state"].items():
+        assert torch.equal(a, r1["state"][k]), k
+    assert r0["history"]["val_loss"] == r1["history"]["val_loss"]
+    # rank 0's initial weights were broadcast: the loss at step 0 is rank 0's model's
+    tr, _ = _recall()
+    va = tr.subset(slice(0, 65))
+    assert r0["history"]["val_loss"][0] == pytest.approx(rr.evaluate(_model(seed=0), va)["loss"], rel=1e-6)
+
+
+# ---- the command line -------------------------------------------------------
+
+def _train_script():
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "train.py")
+    spec = importlib.util.spec_from_file_location("rr_train_script", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["rr_train_script"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("mode", ["euclidean", "riemannian"])
+def test_train_script_result_and_resume(tmp_path, mode):
+    script = _train_script()
+    args = ["--task", "recall", "--mode", mode, "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
+            "--vocab-size", "16", "--num-pairs", "3", "--seq-len", "12", "--steps", "6", "--eval-interval", "3",
+            "--batch-size", "8", "--device", "cpu", "--no-progress", "--checkpoint", str(tmp_path / "c.pt")]
+    full = script.main(args + ["--out", str(tmp_path / "full.json"), "--checkpoint", str(tmp_path / "f.pt")])
+    script.main(args + ["--out", str(tmp_path / "part.json"), "--stop-at-step", "4"])
+    resumed = script.main(args + ["--out", str(tmp_path / "part.json"), "--resume"])
+    assert resumed["history"]["val_loss"] == full["history"]["val_loss"]
+    import json
+    with open(tmp_path / "part.json") as f:
+        on_disk = json.load(f)
+    assert on_disk["steps_done"] == 6 and on_disk["model"]["mode"] == mode and on_disk["n_params"] > 0
+
+
+def test_train_script_config_file_and_bad_keys(tmp_path):
+    script = _train_script()
+    good = tmp_path / "cfg.json"
+    good.write_text('{"task": {"name": "modadd", "p": 7}, "train": {"lr": 0.01, "steps": 3}}')
+    cfg, _ = script.parse_args(["--config", str(good), "--steps", "5"])
+    assert cfg.task.name == "modadd" and cfg.task.p == 7 and cfg.train.lr == 0.01 and cfg.train.steps == 5
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train": {"learning_rate": 0.01}}')
+    with pytest.raises(ValueError, match="learning_rate"):
+        script.parse_args(["--config", str(bad)])
+    with pytest.raises(ValueError, match="mode"):
+        script.build_model(script.ModelConfig(mode="hyperbolic"), 16, 12)
