@@ -253,3 +253,32 @@ def test_low_rank_adam_rejects_odd_groups():
         rr.LowRankAdam([{"params": [torch.nn.Parameter(torch.zeros(3, 2))], "geometry": "factored"}])
     with pytest.raises(ValueError, match="geometry"):
         rr.LowRankAdam([{"params": [torch.nn.Parameter(torch.zeros(3, 2))], "geometry": "nope"}])
+
+
+@pytest.mark.parametrize("mode", ["euclidean", "riemannian", "fiber_bundle"])
+def test_stiefel_adam_trains_the_fiber_bundle_models_constrained_frames(mode):
+    """Issue 7's config flag: FiberBundleConfig(stiefel_qk=True) + StiefelAdam keeps W_Q, W_K on St(D, d)."""
+    torch.manual_seed(0)
+    cfg = rr.FiberBundleConfig.tiny(mode=mode, stiefel_qk=True)
+    model = rr.FiberBundleTransformer(cfg).double()
+    frames = model.qk_frame_parameters()
+    with torch.no_grad():  # frames were orthonormalised in float32; re-project after .double()
+        for W in frames:
+            W.copy_(rr.Stiefel().projx(W))
+    frame_ids = {id(p) for p in frames}
+    rest = [p for p in model.parameters() if id(p) not in frame_ids]
+    opt = rr.StiefelAdam([{"params": frames, "stiefel": True}, {"params": rest}], lr=1e-2, weight_decay=0.1)
+    before = [p.detach().clone() for p in frames]
+    idx = torch.randint(cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(5):
+        out = model(idx[:, :-1], targets=idx[:, 1:])
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(float(out.loss))
+    eye = torch.eye(frames[0].shape[-1], dtype=torch.float64)
+    for W, W0 in zip(frames, before):
+        assert (W.transpose(-1, -2) @ W - eye).abs().max() < 1e-12  # still orthonormal frames
+        assert (W - W0).abs().max() > 1e-6  # and they did move
+    assert losses[-1] < losses[0]
