@@ -291,7 +291,10 @@ class _RiemannianAttentionFn(torch.autograd.Function):
                 m_new = torch.maximum(m_b, S.amax(-1))
                 ms_new = m_new.masked_fill(torch.isneginf(m_new), 0.0)
                 P = S.sub_(ms_new.unsqueeze(-1)).exp_()  # (Bf, bq, bk), in place
-                alpha = (ms_b - ms_new).exp_()
+                # Rescale what was accumulated so far. Rows that have seen no key yet
+                # (m = -inf) have nothing to rescale: alpha = 0, not exp(0 - m_new),
+                # which overflows in float32 once every score is below about -88.
+                alpha = (ms_b - ms_new).exp_().masked_fill_(torch.isneginf(m_b), 0.0)
                 l[:, i0:i1] = l[:, i0:i1] * alpha + P.sum(-1)
                 acc[:, i0:i1] = torch.baddbmm(acc[:, i0:i1] * alpha.unsqueeze(-1), P, v_b)
                 m[:, i0:i1] = m_new

@@ -324,3 +324,25 @@ def test_compiled_model_runs_and_matches():
     m.zero_grad()
     ref.sum().backward()
     torch.testing.assert_close(g, m.q_proj.weight.grad)
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("block_sizes", [None, (3, 4)])
+def test_float32_rows_whose_scores_are_all_far_below_zero(is_causal, block_sizes):
+    """Regression: every score < -88 overflowed the online-softmax rescaling in float32 (NaN)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 12, 8, generator=g) + 6.0
+    k = torch.randn(2, 2, 12, 8, generator=g) - 6.0  # |q - k|^2 ~ 1200: scores ~ -200
+    v = torch.randn(2, 2, 12, 5, generator=g)
+    U = torch.randn(2, 2, 12, 8, 2, generator=g)
+    S = rr.riemannian_scores(q, k, U_k=U)
+    assert S.max() < -88
+    q.requires_grad_(True)
+    out = rr.riemannian_attention(q, k, v, U_k=U, is_causal=is_causal, block_sizes=block_sizes)
+    ref = rr.riemannian_attention_reference(q, k, v, U_k=U, is_causal=is_causal)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    (g_out,) = torch.autograd.grad(out.sum(), q)
+    (g_ref,) = torch.autograd.grad(ref.sum(), q)
+    assert torch.isfinite(g_out).all()
+    torch.testing.assert_close(g_out, g_ref, rtol=1e-3, atol=1e-3)
