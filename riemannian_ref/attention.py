@@ -555,7 +555,54 @@ def riemannian_attention(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor | None = N
 
 @dataclass
 class RiemannianAttentionConfig:
-    """Configuration of :class:`RiemannianMultiheadAttention`."""
+    r"""Configuration of :class:`RiemannianMultiheadAttention`.
+
+    Checked when the module is built: ``d_model`` not divisible by
+    ``n_heads``, an unknown ``metric_side`` or ``dropout`` outside ``[0, 1)``
+    raises ``ValueError`` there.
+
+    Parameters
+    ----------
+    d_model : int, default 64
+        Width :math:`D` of the query-side token states and of the output;
+        must be divisible by ``n_heads`` (head dimension :math:`d = D / h`).
+    n_heads : int, default 4
+        Number of heads :math:`h`.
+    rank : int, default 2
+        Metric rank :math:`r \ge 0` of :math:`G = \lambda I + U U^\top`;
+        0 gives :math:`G = \lambda I` (attention by scaled Euclidean distance).
+    metric_side : {"key", "query", "mean"}, default "key"
+        Whose metric measures the pair :math:`(i, j)`: the key's
+        :math:`G_j`, the query's :math:`G_i`, or their mean
+        :math:`(G_i + G_j)/2`.
+    shared_metric : bool, default False
+        True: one learned metric per head (a parameter :math:`U_h`, shape
+        ``[h, d, r]``, and :math:`\lambda_h`), the same for every token.
+        False: per-token metrics produced from the states by
+        :class:`riemannian_ref.MetricNet`.
+    learn_temperature : bool, default False
+        Learn a per-head factor :math:`t_h = e^{\theta_h}` (1 at init) on
+        the scale :math:`1/\tau`, :math:`\tau = \sqrt d`; it is folded into
+        the metric as :math:`t_h G`.
+    lam_init : float, default 1.0
+        Initial isotropic part :math:`\lambda` of every head; must exceed
+        ``lam_min``.
+    lam_min : float, default 1e-3
+        Floor :math:`\lambda_{\min} > 0` of :math:`\lambda` (a softplus
+        plus this floor), which keeps :math:`G` uniformly positive definite.
+    strength : float, default 1.0
+        Size of :math:`U` at init relative to :math:`\lambda` (the scale of
+        its random initial weights); 0 gives :math:`U = 0` at init.
+    kv_dim : int or None, default None
+        Width :math:`D_{kv}` of the key/value states (cross-attention from
+        states of another width); None: ``d_model``.
+    bias : bool, default True
+        Biases in the query, key, value and output projections.
+    dropout : float, default 0.0
+        Dropout probability on the attention weights, in ``[0, 1)``; applied
+        in training mode only, and when positive the dense reference path
+        runs instead of the blockwise kernel.
+    """
 
     d_model: int = 64  # width D of the token states (queries' side)
     n_heads: int = 4  # h

@@ -41,7 +41,10 @@ __all__ = [
 class TaskData:
     """A fixed set of examples for a causal language model.
 
-    Attributes
+    ``len(data)`` is the number of examples :math:`N`, ``data.seq_len`` the
+    sequence length :math:`n`.
+
+    Parameters
     ----------
     x : Tensor, shape [N, n], int64
         Input token ids.
@@ -50,9 +53,16 @@ class TaskData:
     mask : Tensor, shape [N, n], bool
         Positions whose prediction is scored.
     vocab_size : int
-        Number of token ids; every id in ``x`` and ``y`` is below it.
-    name : str
+        Number of token ids; every id in ``x`` and ``y`` is below it (the
+        generators guarantee this; it is not checked here).
+    name : str, default ""
         Short description for result files.
+
+    Raises
+    ------
+    ValueError
+        If ``x`` is not a 2-D int64 tensor, ``y`` or ``mask`` has another
+        shape than ``x``, or ``mask`` is not bool.
     """
 
     x: Tensor
@@ -156,13 +166,26 @@ def modular_addition(p: int = 97, *, train_fraction: float = 0.5, seed: int = 0
 
     A sequence is ``a b =`` (tokens ``a``, ``b`` in ``[0, p)`` and ``=`` the
     token ``p``); only the last position is scored, with target
-    :math:`(a+b) \bmod p`. The :math:`p^2` pairs are shuffled with ``seed``
-    and split: the first ``round(train_fraction p^2)`` train, the rest
-    validate.
+    :math:`(a+b) \bmod p` (the targets of the unscored positions are the
+    next tokens ``b`` and ``=``). The :math:`p^2` pairs are shuffled with
+    ``seed`` and split: the first ``round(train_fraction p^2)`` train, the
+    rest validate.
+
+    Parameters
+    ----------
+    p : int, default 97
+        Modulus, at least 2; the operands are ``0, ..., p - 1``.
+    train_fraction : float, default 0.5
+        Fraction of the :math:`p^2` pairs in the training split, in
+        ``(0, 1)``; ``ValueError`` if either split would be empty.
+    seed : int, default 0
+        Seed of the shuffle that decides the split.
 
     Returns
     -------
-    train, val : TaskData with x, y, mask of shape [*, 3], vocab_size p + 1
+    train, val : TaskData
+        ``x``, ``y``, ``mask`` of shape ``[N_train, 3]`` and
+        ``[p^2 - N_train, 3]``; ``vocab_size`` is ``p + 1``.
     """
     _positive_int(p, "p", 2)
     if not 0.0 < train_fraction < 1.0:
@@ -193,12 +216,23 @@ STDLIB_TEXT_MODULES: tuple[str, ...] = (
 
 
 def stdlib_docstring_text(modules: tuple[str, ...] = STDLIB_TEXT_MODULES) -> str:
-    """The docstrings (module, classes, functions) of stdlib modules, in source order.
+    """The docstrings (module, classes, functions) of stdlib modules.
 
     Read from the modules' source files with :mod:`ast`, so the text is the
     same under ``-O``/``-OO``; it varies slightly between Python versions.
-    Modules whose source is absent (a stripped install) are skipped; if none
-    is found a ``RuntimeError`` says so.
+    Module by module, in the order of ``modules``; within a module in the
+    breadth-first order of :func:`ast.walk` (the module's docstring, then its
+    top-level classes and functions in source order, then their methods).
+    Only docstrings longer than 40 characters are kept. Modules whose source
+    is absent (a stripped install) are skipped; if none is found a
+    ``RuntimeError`` says so.
+
+    Parameters
+    ----------
+    modules : tuple of str, default STDLIB_TEXT_MODULES
+        Dotted names of pure-Python modules, found with
+        :func:`importlib.util.find_spec` (which imports a dotted name's
+        parent packages).
 
     Returns
     -------
@@ -227,17 +261,37 @@ def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | No
             text: str | None = None) -> tuple[TaskData, TaskData, dict]:
     r"""Character-level language modelling on :func:`stdlib_docstring_text`.
 
-    The text is encoded with its sorted character set; the last
-    ``val_fraction`` of it is held out. Each split is cut into windows of
-    ``block_size + 1`` characters every ``stride`` (default ``block_size``,
-    non-overlapping); ``x`` is a window's first ``block_size`` characters,
-    ``y`` the next ones, and every position is scored.
+    The text is encoded with its sorted character set (the alphabet of the
+    whole text, so both splits share it); the last
+    ``int(len(text) * val_fraction)`` characters are held out. Each split is
+    cut into windows of ``block_size + 1`` characters starting every
+    ``stride`` characters (an incomplete last window is dropped); ``x`` is a
+    window's first ``block_size`` characters, ``y`` the same shifted by one,
+    and every position is scored. Deterministic: there is no seed.
+
+    Parameters
+    ----------
+    block_size : int, default 64
+        Sequence length :math:`n` of an example.
+    val_fraction : float, default 0.1
+        Fraction of the text held out for validation, in ``(0, 1)``. Each
+        split needs at least ``block_size + 1`` characters, or
+        ``ValueError``.
+    stride : int or None, default None
+        Offset between the starts of consecutive windows; None:
+        ``block_size`` (windows share one character, so the targets of
+        consecutive windows do not overlap).
+    text : str or None, default None
+        The corpus; None: :func:`stdlib_docstring_text`.
 
     Returns
     -------
-    train, val : TaskData with x, y, mask of shape [*, block_size]
+    train, val : TaskData
+        ``x``, ``y``, ``mask`` of shape ``[N_split, block_size]``;
+        ``vocab_size`` is the alphabet size.
     info : dict
-        ``chars`` (the alphabet), ``n_chars`` (text length), ``source``.
+        ``chars`` (the alphabet, a str in id order), ``n_chars`` (text
+        length), ``source`` (where the text came from).
     """
     _positive_int(block_size, "block_size", 1)
     if not 0.0 < val_fraction < 1.0:
@@ -269,6 +323,22 @@ def make_task(name: str, seed: int = 0, **kw) -> tuple[TaskData, TaskData]:
     keywords of :func:`associative_recall` (the validation set uses a
     different seed); ``modadd`` the keywords of :func:`modular_addition`;
     ``charlm`` those of :func:`char_lm`.
+
+    Parameters
+    ----------
+    name : {"recall", "modadd", "charlm"}
+        The task; another name raises ``ValueError``.
+    seed : int, default 0
+        ``recall``: the training set is drawn with seed ``2 * seed``, the
+        validation set with ``2 * seed + 1``. ``modadd``: the seed of the
+        split. ``charlm``: ignored (the task is deterministic).
+    **kw
+        Keyword arguments of the task's generator, as above.
+
+    Returns
+    -------
+    train, val : TaskData
+        ``charlm``'s ``info`` dict is dropped; call :func:`char_lm` for it.
     """
     if name == "recall":
         n_train, n_val = kw.pop("n_train", 4096), kw.pop("n_val", 512)

@@ -54,7 +54,71 @@ Hook = Callable[[int, dict], None]
 
 @dataclass
 class TrainConfig:
-    """Everything :func:`train` needs besides the model and the data."""
+    r"""Everything :func:`train` needs besides the model and the data.
+
+    :func:`train` calls :meth:`validate`, which raises ``ValueError`` naming
+    the first bad field.
+
+    Parameters
+    ----------
+    optimizer : {"adamw", "sgd"}, default "adamw"
+        :class:`torch.optim.AdamW` or :class:`torch.optim.SGD`.
+    lr : float, default 1e-3
+        Peak learning rate :math:`\eta` (positive, finite); the schedule is
+        :func:`lr_at`.
+    weight_decay : float, default 0.0
+        Decoupled weight decay for AdamW, an L2 term for SGD; applied only to
+        parameters with two or more dimensions (not to biases, norms' gains
+        or other vectors).
+    betas : (float, float), default (0.9, 0.98)
+        AdamW's moment coefficients (unused by SGD).
+    momentum : float, default 0.9
+        SGD's momentum (unused by AdamW).
+    schedule : {"constant", "cosine"}, default "cosine"
+        Learning rate after the warm-up: constant :math:`\eta`, or a cosine
+        decay to ``lr * min_lr_ratio`` at the last step.
+    warmup_steps : int, default 0
+        Linear warm-up length :math:`W`, in ``[0, steps)``: step
+        :math:`s < W` uses :math:`\eta (s + 1) / W`.
+    min_lr_ratio : float, default 0.1
+        :math:`\rho \in [0, 1]`: the cosine schedule ends at :math:`\rho\eta`.
+    grad_clip : float or None, default 1.0
+        Clip the global gradient norm (over all parameters) to this; None:
+        no clipping.
+    steps : int, default 1000
+        Total optimiser steps; defines the schedule and the final evaluation.
+    batch_size : int, default 32
+        Global batch size: under DDP each of the ranks takes
+        ``batch_size / world_size`` (it must divide). Batches are drawn
+        uniformly with replacement from the (rank's shard of the) training
+        examples.
+    eval_interval : int, default 100
+        Evaluate at step 0, every ``eval_interval`` steps and at ``steps``.
+    eval_batch_size : int, default 256
+        Batch size of :func:`evaluate`, per rank.
+    eval_max_examples : int or None, default None
+        Evaluate on the first this many validation examples; None: all.
+    seed : int, default 0
+        Seed of the batch order (independent of the model); it does not seed
+        the model's initialisation or torch's global generator (use
+        :func:`seed_everything` before building the model).
+    device : str, default "cpu"
+        Where the model and batches go: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
+    progress : bool, default False
+        Draw a ``tqdm`` progress bar (on rank 0 only).
+    checkpoint_path : str or None, default None
+        Save model, optimiser, batch-sampler and global RNG states and the
+        history here (atomically, on rank 0) after every evaluation but the
+        one at step 0, and at the stop when ``stop_at_step`` falls between
+        evaluations; None: no checkpoints.
+    resume : bool, default False
+        Continue from ``checkpoint_path`` if that file exists (it must be set);
+        the resumed run reproduces the uninterrupted one.
+    stop_at_step : int or None, default None
+        Stop after this step (in ``[1, steps]``), saving a checkpoint there
+        if ``checkpoint_path`` is set, e.g. before a job's time limit; the
+        schedule is still that of ``steps``. None: run to ``steps``.
+    """
 
     optimizer: str = "adamw"  # "adamw" or "sgd"
     lr: float = 1e-3  # peak learning rate
@@ -70,7 +134,7 @@ class TrainConfig:
     eval_interval: int = 100  # evaluate at step 0, every eval_interval steps and at the end
     eval_batch_size: int = 256  # per rank
     eval_max_examples: int | None = None  # evaluate on a prefix of val (None: all of it)
-    seed: int = 0  # model-independent: batch order and torch's global RNG
+    seed: int = 0  # batch order only (not the model's init, not torch's global RNG)
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
     progress: bool = False  # draw a tqdm bar (rank 0 only)
     checkpoint_path: str | None = None  # save here at every evaluation and at the end
@@ -116,6 +180,26 @@ class TrainResult:
     with every scored position right), ``"tokens_per_s"`` (input tokens of all
     ranks per second of training, evaluation excluded) and ``"time_s"``
     (cumulative training seconds) to lists, one entry per evaluation.
+
+    Parameters
+    ----------
+    history : dict of str to list
+        The metrics of every evaluation, as above.
+    final : dict of str to float
+        ``val_loss``, ``val_accuracy`` and ``val_seq_accuracy`` of the last
+        evaluation.
+    steps_done : int
+        The last optimiser step taken (``stop_at_step`` when stopped early).
+    train_time_s : float
+        Seconds spent in training steps (evaluation excluded), including
+        those before a resume.
+    tokens_per_s : float
+        Input tokens of all ranks per training second over the whole run;
+        ``nan`` if no step was timed.
+    n_params : int
+        Number of trainable parameters of the model.
+    config : dict, default {}
+        The :class:`TrainConfig` as a dict (:func:`dataclasses.asdict`).
     """
 
     history: dict[str, list]
@@ -133,7 +217,16 @@ def _count_params(model: nn.Module) -> int:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed torch's global CPU and CUDA generators (for initialisation)."""
+    """Seed torch's global CPU and CUDA generators (for initialisation).
+
+    Calls :func:`torch.manual_seed`; Python's :mod:`random` and NumPy are
+    not seeded.
+
+    Parameters
+    ----------
+    seed : int
+        The seed.
+    """
     torch.manual_seed(seed)
 
 
@@ -144,7 +237,23 @@ def lr_at(step: int, config: TrainConfig) -> float:
     :math:`\eta`, or ``cosine``
     :math:`\eta\,(\rho + (1-\rho)\tfrac12(1 + \cos \pi t))`, with
     :math:`t = (s - W)/(S - 1 - W)` going from 0 to 1 over the remaining steps
-    and :math:`\rho` = ``min_lr_ratio``.
+    and :math:`\rho` = ``min_lr_ratio``. Here :math:`\eta` = ``lr``,
+    :math:`W` = ``warmup_steps``, :math:`S` = ``steps``; if no step follows
+    the warm-up (:math:`S - 1 \le W`) the rate stays :math:`\eta`, and
+    :math:`t` is capped at 1 for steps beyond :math:`S - 1`.
+
+    Parameters
+    ----------
+    step : int
+        Optimiser step :math:`s \ge 0` (0-based: :func:`train` passes
+        ``step - 1`` for its step ``step``).
+    config : TrainConfig
+        Supplies ``lr``, ``schedule``, ``warmup_steps``, ``min_lr_ratio``
+        and ``steps``.
+
+    Returns
+    -------
+    float
     """
     W, S, eta = config.warmup_steps, config.steps, config.lr
     if step < W:
@@ -157,7 +266,19 @@ def lr_at(step: int, config: TrainConfig) -> float:
 
 
 def logits_of(out) -> Tensor:
-    """The logits in a model's output: the tensor itself, ``out[0]`` or ``out["logits"]``."""
+    """The logits in a model's output: the tensor itself, ``out[0]`` or ``out["logits"]``.
+
+    Parameters
+    ----------
+    out : Tensor, tuple, list or dict
+        A model's output: the logits ``[B, n, V]``, a tuple or list whose
+        first item is them, or a dict with the key ``"logits"``. Anything
+        else raises ``ValueError``; the shape is not checked here.
+
+    Returns
+    -------
+    Tensor, shape [B, n, V]
+    """
     if isinstance(out, Tensor):
         return out
     if isinstance(out, (tuple, list)):
@@ -206,12 +327,35 @@ def evaluate(model: nn.Module, data: TaskData, *, batch_size: int = 256, device:
     Under an initialised process group each rank evaluates its shard
     ``rank::world_size`` of the (first ``max_examples``) examples and the sums
     are all-reduced, so every rank returns the metrics of the whole set.
+    Runs without gradients in eval mode and restores the model's
+    training/eval mode afterwards; a ``DistributedDataParallel`` wrapper is
+    unwrapped first.
+
+    Parameters
+    ----------
+    model : nn.Module
+        ``model(x [B, n]) -> logits [B, n, V]`` (or a tuple/dict holding
+        them, see :func:`logits_of`), already on ``device``.
+    data : TaskData
+    batch_size : int, default 256
+        Examples per forward pass (per rank).
+    device : str or torch.device, default "cpu"
+        Where the batches are moved.
+    max_examples : int or None, default None
+        Evaluate on the first this many examples; None: all.
 
     Returns
     -------
-    dict with ``loss`` (mean over scored positions), ``accuracy`` (fraction of
-    scored positions whose argmax is the target), ``seq_accuracy`` (fraction
-    of examples with every scored position right) and ``n_scored``.
+    dict of str to float
+        ``loss`` (mean cross-entropy over scored positions), ``accuracy``
+        (fraction of scored positions whose argmax is the target),
+        ``seq_accuracy`` (fraction of examples with every scored position
+        right) and ``n_scored`` (number of scored positions).
+
+    Raises
+    ------
+    ValueError
+        If no position is scored (empty data or an all-false mask).
     """
     device = torch.device(device)
     rank, world = _dist()
