@@ -9,7 +9,8 @@ side "key", per-token metrics, float32, no mask) it prints and writes
 (``results/bench_attention_cpu.md`` and ``.json``):
 
 * time ratio to SDPA, forward and forward+backward: SDPA and the operator are
-  timed alternately, ``--reps`` rounds, and the median of the per-round ratios
+  timed alternately (each round repeats a call until 0.1 s of SDPA is
+  filled), ``--reps`` rounds, and the median of the per-round ratios
   is reported, so a change of machine load between rounds cancels;
 * the FLOP-predicted ratio (see :func:`flops`): matrix products AND the extra
   elementwise work (squares of the rank products, their gradients, softmax);
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import math
 import statistics
 import subprocess
 import sys
@@ -90,26 +92,34 @@ def run_once(op, inputs, side, backward, gout=None):
     return out
 
 
-def timed(op, inputs, side, backward, gout):
+def timed(op, inputs, side, backward, gout, calls=1):
+    """Seconds per call, averaged over ``calls`` back-to-back calls."""
     t0 = time.perf_counter()
-    if backward:
-        run_once(op, inputs, side, True, gout)
-    else:
-        with torch.no_grad():
-            run_once(op, inputs, side, False)
-    return time.perf_counter() - t0
+    for _ in range(calls):
+        if backward:
+            run_once(op, inputs, side, True, gout)
+        else:
+            with torch.no_grad():
+                run_once(op, inputs, side, False)
+    return (time.perf_counter() - t0) / calls
 
 
-def time_pair(B, h, n, d, r, side, backward, reps):
-    """Alternate SDPA and the operator; per-round ratios."""
+def time_pair(B, h, n, d, r, side, backward, reps, min_time=0.1):
+    """Alternate SDPA and the operator; per-round ratios.
+
+    Each round times enough back-to-back calls of SDPA (and the same number
+    of the operator) to fill ``min_time`` seconds of SDPA, so that small
+    problems (a few ms) are not measured from one noisy call.
+    """
     ins = make_inputs(B, h, n, d, r, side, grad=backward)
     gout = torch.randn(B, h, n, d, generator=torch.Generator().manual_seed(1)) if backward else None
-    timed("sdpa", ins, side, backward, gout)  # warm-up
+    t_warm = timed("sdpa", ins, side, backward, gout)  # warm-up
     timed("rr", ins, side, backward, gout)
+    calls = max(1, math.ceil(min_time / max(t_warm, 1e-6)))
     ts, to = [], []
     for _ in range(reps):
-        ts.append(timed("sdpa", ins, side, backward, gout))
-        to.append(timed("rr", ins, side, backward, gout))
+        ts.append(timed("sdpa", ins, side, backward, gout, calls))
+        to.append(timed("rr", ins, side, backward, gout, calls))
     ratios = [b / a for a, b in zip(ts, to)]
     return statistics.median(ratios), min(ts), min(to), ratios
 
