@@ -276,7 +276,7 @@ def test_stiefel_adam_trains_the_fiber_bundle_models_constrained_frames(mode):
         opt.zero_grad()
         out.loss.backward()
         opt.step()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
     eye = torch.eye(frames[0].shape[-1], dtype=torch.float64)
     for W, W0 in zip(frames, before):
         assert (W.transpose(-1, -2) @ W - eye).abs().max() < 1e-12  # still orthonormal frames
