@@ -26,6 +26,14 @@ product of the stacked ``c U_i`` with the keys). A softmax row is computed
 online over key blocks :cite:`milakov2018online,dao2022flashattention`; the
 backward recomputes each tile from ``q, k, v, U``, the output and the row
 log-sum-exp, so extra memory is ``O(n * block * (1 + r))`` in both passes.
+
+Three details make the loop fast on CPU, where every elementwise pass over a
+tile costs about as much as a tenth of its matrix product: the squares are
+subtracted in place into the product's own output (no copy of the tile), the
+exponentials are ``exp2`` with ``log2(e)`` folded into the stacked constants
+(FlashAttention's trick; ``exp2`` is about 1.5x faster than ``exp`` here),
+and up to 512 keys form a single key block in the forward, so short rows
+need no online rescaling at all.
 """
 from __future__ import annotations
 
@@ -136,12 +144,17 @@ def riemannian_attention_reference(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor 
 _NEG_INF = float("-inf")
 
 
-def attention_block_sizes(n_q: int, n_k: int, width: int, *, tile: int = 2 ** 17) -> tuple[int, int]:
+def attention_block_sizes(n_q: int, n_k: int, width: int, *, tile: int = 2 ** 17,
+                          backward: bool = False) -> tuple[int, int]:
     """Query and key block sizes of the blockwise operator.
 
     A tile holds ``bq * bk * width`` products (``width = 1 + r`` one-sided,
     ``1 + 2r`` for ``"mean"``) per batch element; ``tile`` bounds that number,
-    so the extra memory of a tile does not grow with the rank.
+    so the extra memory of a tile does not grow with the rank. One exception,
+    forward only: up to 512 keys form a single key block (``bq <= 128``), so
+    each query row needs no online rescaling; the tile is then at most
+    ``128 * 512 * width`` products, the size of a 128-row slab of the dense
+    rank products.
 
     Parameters
     ----------
@@ -150,14 +163,22 @@ def attention_block_sizes(n_q: int, n_k: int, width: int, *, tile: int = 2 ** 17
     width : int
         Products per (query, key) pair, ``>= 1``.
     tile : int
-        Products per tile and batch element (default ``2**17``: 512 KiB in float32,
-        so that a tile and its exponentials stay in a core's L2 cache; 2**18 was
-        measurably slower for r = 1 at n <= 1024 on the benchmark machine).
+        Products per tile and batch element (default ``2**17``: 512 KiB in
+        float32). Chosen by measurement on the benchmark machine
+        (``benchmarks/bench_attention.py``), not derived.
+    backward : bool
+        Block sizes for the backward pass (which holds more per tile and
+        measured faster with the general rule at every ``n``).
 
     Returns
     -------
     (bq, bk) : tuple of int
     """
+    for name, val in (("n_q", n_q), ("n_k", n_k), ("width", width), ("tile", tile)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if not backward and n_k <= 512:
+        return min(n_q, 128), n_k
     bq = max(1, min(n_q, 256))
     # a multiple of 64 columns per rank product keeps the GEMM on its fast path
     bk = max(64, 64 * round(tile / (bq * width * 64)))
@@ -181,11 +202,12 @@ def _key_block(k_b: Tensor, lam: Tensor, W: Tensor | None, U_b: Tensor | None, s
     Kt[:, :d, :nb] = Mk.transpose(1, 2)
     Kt[:, d, :nb] = -0.5 * (k_b * Mk).sum(-1)
     if rk:
-        cU = ck * U_b  # (Bf, nb, d, rk)
-        Kt[:, :d, nb:].view(Bf, d, rk, nb).copy_(cU.permute(0, 2, 3, 1))
-        # (elementwise, not einsum: a batch of 1 x d x r products is slow in BLAS)
-        ka = (cU * k_b.unsqueeze(-1)).sum(-2)  # c U_j^T k_j           (Bf, nb, rk)
-        Kt[:, d, nb:].view(Bf, rk, nb).copy_(-ka.transpose(1, 2))
+        cUt = Kt[:, :d, nb:].view(Bf, d, rk, nb)
+        torch.mul(U_b.permute(0, 2, 3, 1), ck, out=cUt)  # c U_j, key index innermost
+        # -c U_j^T k_j, elementwise along the contiguous key index (a batch of
+        # 1 x d x r products is slow in BLAS, and so is a product over the size-r axis)
+        ka = torch.mul(cUt, k_b.transpose(1, 2).unsqueeze(2)).sum(1)  # (Bf, rk, nb)
+        torch.neg(ka, out=Kt[:, d, nb:].view(Bf, rk, nb))
     return Kt, Mk
 
 
@@ -227,11 +249,16 @@ def _query_block(q_b: Tensor, U_b: Tensor, cq: float) -> Tensor:
     return Qa.view(Bf, nb * rq, d + 1)
 
 
-def _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, causal, i0, i1, j0, j1):
-    """Scores of one tile (Bf, bq, bk), and the rank products X (Bf, bq, 1+rk, bk), Y (Bf, bq, rq, bk)."""
+def _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, mask_scale, causal, i0, i1, j0, j1):
+    """Scores of one tile and the rank products X (Bf, bq, 1+rk, bk), Y (Bf, bq, rq, bk).
+
+    The scores ``S`` (Bf, bq, bk) are the view ``X[:, :, 0]`` (rows of stride
+    ``(1 + rk) bk``), updated in place: the tile is never copied. A float
+    mask is added times ``mask_scale``.
+    """
     Bf, nb, mb = qa_b.shape[0], i1 - i0, j1 - j0
     X = torch.bmm(qa_b, Kt).view(Bf, nb, 1 + rk, mb)  # ONE product for Q K^T and all U_j^T q_i
-    S = X[:, :, 0].clone()  # (Bf, bq, bk)
+    S = X[:, :, 0]
     for t in range(1, rk + 1):
         S.addcmul_(X[:, :, t], X[:, :, t], value=-1.0)
     Y = None
@@ -249,8 +276,17 @@ def _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, causal, i0, i1, j0, j1):
         if m.dtype == torch.bool:
             S.masked_fill_(~m, _NEG_INF)
         else:
-            S.add_(m)
+            S.add_(m, alpha=mask_scale)
     return S, X, Y
+
+
+# The tiles compute scores in base 2: every constant carries log2(e), so the
+# softmax runs on exp2, which is markedly faster than exp on CPU (the trick of
+# FlashAttention's kernels). The backward multiplies dS by ln 2 to return to
+# natural units; the chain rule through the key block then uses the same
+# scaled constants.
+_LOG2E = 1.0 / math.log(2.0)
+_LN2 = math.log(2.0)
 
 
 class _RiemannianAttentionFn(torch.autograd.Function):
@@ -259,65 +295,79 @@ class _RiemannianAttentionFn(torch.autograd.Function):
     Inputs are flattened over the batch: q (Bf, n_q, d), k (Bf, n_k, d),
     v (Bf, n_k, dv), lam (Bf,), W (Bf, d, rs) or None (all shared low-rank
     parts), Uk (Bf, n_k, d, rk) or None, Uq (Bf, n_q, d, rq) or None,
-    mask (1 or Bf, n_q or 1, n_k or 1) bool/float or None. Saved for the
-    backward: the inputs, the output and the row log-sum-exp, nothing pairwise.
+    mask (1 or Bf, n_q or 1, n_k or 1) bool/float or None. ``scale``, ``ck``
+    and ``cq`` are in natural units; the tiles use them times log2(e)
+    (``scale``) and sqrt(log2(e)) (``ck``, ``cq``). Saved for the backward:
+    the inputs, the output and the row log-sum-exp in base 2, nothing pairwise.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, bq, bk):
+    def forward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, blocks_bwd):
         Bf, n_q, d = q.shape
         n_k, dv = k.shape[1], v.shape[2]
         rk = Uk.shape[-1] if Uk is not None else 0
         rq = Uq.shape[-1] if Uq is not None else 0
-        # Key blocks outside, so each stacked key block is built once; the
-        # running max m, sum l and output of every query row live across them.
-        m = q.new_full((Bf, n_q), _NEG_INF)  # running row max
-        m_safe = torch.zeros_like(m)  # m with -inf (rows masked so far) replaced by 0
-        l = torch.zeros_like(m)  # running row sum of exp(S - m)
-        acc = q.new_zeros(Bf, n_q, dv)  # running unnormalised output
+        bq, bk = blocks
+        s2, ck2, cq2 = scale * _LOG2E, ck * math.sqrt(_LOG2E), cq * math.sqrt(_LOG2E)
+        # Only a mask can leave a row with no visible key (a causal row always sees key 0).
+        maybe_dead = mask is not None
+        qa = _augment(q)  # (Bf, n_q, d+1), built once
+        # Key blocks outside, so each stacked key block is built once; the running
+        # max m (base 2), sum l and output acc of every query row live across them.
+        m = q.new_empty(Bf, n_q)
+        l = q.new_empty(Bf, n_q)
+        acc = q.new_empty(Bf, n_q, dv)  # running unnormalised output
         for j0 in range(0, n_k, bk):
             j1 = min(j0 + bk, n_k)
-            Kt, _ = _key_block(k[:, j0:j1], lam, W, Uk[:, j0:j1] if rk else None, scale, ck)
+            Kt, _ = _key_block(k[:, j0:j1], lam, W, Uk[:, j0:j1] if rk else None, s2, ck2)
             kta_b = _augment(k[:, j0:j1]).transpose(1, 2) if rq else None
             v_b = v[:, j0:j1]
             i_start = (j0 // bq) * bq if causal else 0  # causal: earlier query blocks see none of these keys
             for i0 in range(i_start, n_q, bq):
                 i1 = min(i0 + bq, n_q)
-                qa_b = _augment(q[:, i0:i1])  # (Bf, bq, d+1)
-                Qa = _query_block(q[:, i0:i1], Uq[:, i0:i1], cq) if rq else None
-                S, X, Y = _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, causal, i0, i1, j0, j1)
-                del X, Y
-                m_b, ms_b = m[:, i0:i1], m_safe[:, i0:i1]
-                m_new = torch.maximum(m_b, S.amax(-1))
-                ms_new = m_new.masked_fill(torch.isneginf(m_new), 0.0)
-                P = S.sub_(ms_new.unsqueeze(-1)).exp_()  # (Bf, bq, bk), in place
-                # Rescale what was accumulated so far. Rows that have seen no key yet
-                # (m = -inf) have nothing to rescale: alpha = 0, not exp(0 - m_new),
-                # which overflows in float32 once every score is below about -88.
-                alpha = (ms_b - ms_new).exp_().masked_fill_(torch.isneginf(m_b), 0.0)
-                l[:, i0:i1] = l[:, i0:i1] * alpha + P.sum(-1)
-                acc[:, i0:i1] = torch.baddbmm(acc[:, i0:i1] * alpha.unsqueeze(-1), P, v_b)
-                m[:, i0:i1] = m_new
-                m_safe[:, i0:i1] = ms_new
+                Qa = _query_block(q[:, i0:i1], Uq[:, i0:i1], cq2) if rq else None
+                S, X, Y = _tile(qa[:, i0:i1], Kt, Qa, kta_b, rk, rq, mask, _LOG2E, causal, i0, i1, j0, j1)
+                m_b, l_b, acc_b = m[:, i0:i1], l[:, i0:i1], acc[:, i0:i1]
+                m_new = S.amax(-1)
+                if j0 > 0:
+                    m_new = torch.maximum(m_b, m_new)
+                # rows that have seen no key yet (max -inf) subtract 0, not -inf
+                ms = m_new.masked_fill(torch.isneginf(m_new), 0.0) if maybe_dead else m_new
+                P = S.sub_(ms.unsqueeze(-1)).exp2_()  # (Bf, bq, bk), in place in X
+                if j0 == 0:  # the first block every query row sees (causally too: key 0)
+                    l_b.copy_(P.sum(-1))
+                    acc_b.baddbmm_(P, v_b, beta=0.0)  # beta = 0 ignores the uninitialised acc
+                else:
+                    # Rescale what was accumulated so far: alpha <= 1, and 0 for rows that
+                    # had seen no key (m_b = -inf), never exp2(0 - m_new), which can overflow.
+                    alpha = (m_b - ms).exp2_()
+                    l_b.mul_(alpha).add_(P.sum(-1))
+                    acc_b.mul_(alpha.unsqueeze(-1)).baddbmm_(P, v_b)
+                m_b.copy_(m_new)
+                del X, Y, S, P
         tiny = torch.finfo(q.dtype).tiny
         out = acc.div_(l.clamp_min(tiny).unsqueeze(-1))  # fully masked rows: 0 / tiny = 0
-        # fully masked rows: lse = +inf, so that exp(S - lse) = 0 in the backward
-        lse = torch.where(l > 0, m_safe + torch.log(l.clamp_min(tiny)), float("inf"))
+        # fully masked rows: lse = +inf, so that exp2(S - lse) = 0 in the backward
+        lse = torch.where(l > 0, m + torch.log2(l.clamp_min(tiny)), float("inf"))
         ctx.save_for_backward(q, k, v, lam, W, Uk, Uq, mask, out, lse)
-        ctx.consts = (causal, scale, ck, cq, bq, bk)
+        ctx.consts = (causal, scale, ck, cq, blocks_bwd)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, lam, W, Uk, Uq, mask, out, lse = ctx.saved_tensors
-        causal, scale, ck, cq, bq, bk = ctx.consts
+        causal, scale, ck, cq, (bq, bk) = ctx.consts
+        s2, ck2, cq2 = scale * _LOG2E, ck * math.sqrt(_LOG2E), cq * math.sqrt(_LOG2E)
         need_lam = ctx.needs_input_grad[3]
         Bf, n_q, d = q.shape
         n_k = k.shape[1]
         rk = Uk.shape[-1] if Uk is not None else 0
         rq = Uq.shape[-1] if Uq is not None else 0
         dout = dout.contiguous()
-        Drow = (dout * out).sum(-1)  # rowsum(dO * O)                    (Bf, n_q)
+        # dS in the tiles' base-2 units is ln 2 times the natural one: fold ln 2 into dO and D.
+        dout2 = dout * _LN2
+        Drow = (dout2 * out).sum(-1)  # ln 2 * rowsum(dO * O)              (Bf, n_q)
+        qa = _augment(q)
         dqa = q.new_zeros(Bf, n_q, d + 1)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         dUk = torch.zeros_like(Uk) if rk else None
@@ -328,35 +378,41 @@ class _RiemannianAttentionFn(torch.autograd.Function):
             j1 = min(j0 + bk, n_k)
             k_b, v_b = k[:, j0:j1], v[:, j0:j1]
             U_b = Uk[:, j0:j1] if rk else None
-            Kt, Mk = _key_block(k_b, lam, W, U_b, scale, ck)
+            Kt, Mk = _key_block(k_b, lam, W, U_b, s2, ck2)
+            # dX^(t) = -2 X^(t) dS for t >= 1: the factor -2 goes into the key side
+            # (O(nb d r) here and below) instead of a pass over every tile.
+            KtT = Kt.transpose(1, 2).clone()
+            KtT[:, j1 - j0:].mul_(-2.0)
             kta_b = _augment(k_b).transpose(1, 2) if rq else None  # (Bf, d+1, nb)
             dKt = torch.zeros_like(Kt)
             dkta = torch.zeros(Bf, d + 1, j1 - j0, dtype=q.dtype, device=q.device) if rq else None
-            dv_b = torch.zeros_like(v_b)
+            dv_b = dv[:, j0:j1]
+            vT = v_b.transpose(1, 2)
             i_start = (j0 // bq) * bq if causal else 0  # earlier query blocks see none of these keys
             for i0 in range(i_start, n_q, bq):
                 i1 = min(i0 + bq, n_q)
-                qa_b, do_b = _augment(q[:, i0:i1]), dout[:, i0:i1]
-                Qa = _query_block(q[:, i0:i1], Uq[:, i0:i1], cq) if rq else None
-                S, X, Y = _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, causal, i0, i1, j0, j1)
-                P = S.sub_(lse[:, i0:i1].unsqueeze(-1)).exp_()  # (Bf, bq, bk)
-                dv_b.baddbmm_(P.transpose(1, 2), do_b)
-                dS = torch.bmm(do_b, v_b.transpose(1, 2)).sub_(Drow[:, i0:i1].unsqueeze(-1)).mul_(P)
-                # dX^(0) = dS, dX^(t) = -2 X^(t) dS (in place on X)
-                X[:, :, 1:].mul_(dS.unsqueeze(2)).mul_(-2.0)
-                X[:, :, 0].copy_(dS)
+                qa_b = qa[:, i0:i1]
+                Qa = _query_block(q[:, i0:i1], Uq[:, i0:i1], cq2) if rq else None
+                S, X, Y = _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, _LOG2E, causal, i0, i1, j0, j1)
+                P = S.sub_(lse[:, i0:i1].unsqueeze(-1)).exp2_()  # (Bf, bq, bk), the view X[:, :, 0]
+                dv_b.baddbmm_(P.transpose(1, 2), dout[:, i0:i1])
+                dP = torch.bmm(dout2[:, i0:i1], vT).sub_(Drow[:, i0:i1].unsqueeze(-1))
+                dS = P.mul_(dP)  # X[:, :, 0] now holds dX^(0) = dS
+                if rk:  # X^(t) dS; the -2 of dX^(t) is in KtT and applied to dKt below
+                    X[:, :, 1:].mul_(dS.unsqueeze(2))
                 dX = X.view(Bf, i1 - i0, -1)  # (Bf, bq, (1+rk) bk)
-                dqa[:, i0:i1] += torch.bmm(dX, Kt.transpose(1, 2))
+                dqa[:, i0:i1].baddbmm_(dX, KtT)
                 dKt.baddbmm_(qa_b.transpose(1, 2), dX)
-                if rq:
-                    dY = Y.mul_(dS.unsqueeze(2)).mul_(-2.0).view(Bf, -1, j1 - j0)  # (Bf, bq rq, bk)
-                    dQa[:, i0 * rq:i1 * rq] += torch.bmm(dY, kta_b.transpose(1, 2))
+                if rq:  # Y^(t) dS; the -2 of dY^(t) is applied to dQa and dkta afterwards
+                    dY = Y.mul_(dS.unsqueeze(2)).view(Bf, -1, j1 - j0)  # (Bf, bq rq, bk)
+                    dQa[:, i0 * rq:i1 * rq].baddbmm_(dY, kta_b.transpose(1, 2))
                     dkta.baddbmm_(Qa.transpose(1, 2), dY)
-            dk_b, dU_b, dlam_b, dW_b = _key_block_backward(dKt, k_b, Mk, lam, W, U_b, scale, ck, need_lam)
+                del X, Y, S, P, dP, dS
+            dKt[:, :, j1 - j0:].mul_(-2.0)
+            dk_b, dU_b, dlam_b, dW_b = _key_block_backward(dKt, k_b, Mk, lam, W, U_b, s2, ck2, need_lam)
             if rq:
-                dk_b = dk_b + dkta[:, :d].transpose(1, 2)
+                dk_b = dk_b - 2.0 * dkta[:, :d].transpose(1, 2)
             dk[:, j0:j1] = dk_b
-            dv[:, j0:j1] = dv_b
             if rk:
                 dUk[:, j0:j1] = dU_b
             if need_lam:
@@ -366,10 +422,10 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         dq = dqa[..., :d]
         dUq = None
         if rq:  # Qa = [c U_i^T, -c U_i^T q_i]
-            dQa = dQa.view(Bf, n_q, rq, d + 1)
+            dQa = dQa.view(Bf, n_q, rq, d + 1).mul_(-2.0)
             dqb = -dQa[..., d]  # (Bf, n_q, rq)
-            dUq = cq * (dQa[..., :d].transpose(-1, -2) + q.unsqueeze(-1) * dqb.unsqueeze(-2))  # (Bf, n_q, d, rq)
-            dq = dq + cq * (Uq * dqb.unsqueeze(-2)).sum(-1)
+            dUq = cq2 * (dQa[..., :d].transpose(-1, -2) + q.unsqueeze(-1) * dqb.unsqueeze(-2))  # (Bf, n_q, d, rq)
+            dq = dq + cq2 * (Uq * dqb.unsqueeze(-2)).sum(-1)
         return dq, dk, dv, dlam, dW, dUk, dUq, None, None, None, None, None, None, None
 
 
@@ -391,6 +447,14 @@ def _check_mask(attn_mask, is_causal, n_q, n_k, q):
     if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         raise ValueError(f"a float attn_mask must have the dtype of q ({q.dtype}), got {attn_mask.dtype}")
     return attn_mask
+
+
+def _check_block_sizes(block_sizes) -> tuple[int, int]:
+    ok = isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2 and all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block_sizes)
+    if not ok:
+        raise ValueError(f"block_sizes must be a pair of positive ints (bq, bk), got {block_sizes!r}")
+    return int(block_sizes[0]), int(block_sizes[1])
 
 
 def _flat(x: Tensor, batch: torch.Size, tail: int) -> Tensor:
@@ -438,7 +502,8 @@ def riemannian_attention(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor | None = N
         :func:`riemannian_attention_reference` (memory :math:`O(n^2 r)`):
         the blockwise kernel has no dropout. Pass 0 in evaluation.
     block_sizes : (int, int), optional
-        Query and key block sizes; default :func:`attention_block_sizes`.
+        Query and key block sizes of both passes; default
+        :func:`attention_block_sizes`, chosen for each pass.
 
     Returns
     -------
@@ -542,11 +607,16 @@ def riemannian_attention(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor | None = N
     c = math.sqrt(scale * w / 2.0)
     rk = Ukf.shape[-1] if Ukf is not None else 0
     rq = Uqf.shape[-1] if Uqf is not None else 0
-    bq, bk = block_sizes if block_sizes is not None else attention_block_sizes(n_q, n_k, 1 + rk + rq)
+    width = 1 + rk + rq
+    if block_sizes is not None:
+        blocks = blocks_bwd = _check_block_sizes(block_sizes)
+    else:
+        blocks = attention_block_sizes(n_q, n_k, width)
+        blocks_bwd = attention_block_sizes(n_q, n_k, width, backward=True)
     out = _RiemannianAttentionFn.apply(qf.contiguous(), kf.contiguous(), vf.contiguous(), lamf, W,
                                        Ukf.contiguous() if Ukf is not None else None,
                                        Uqf.contiguous() if Uqf is not None else None,
-                                       maskf, bool(is_causal), scale, c, c, bq, bk)
+                                       maskf, bool(is_causal), scale, c, c, blocks, blocks_bwd)
     return out.view(*batch, n_q, v.shape[-1])
 
 

@@ -346,3 +346,41 @@ def test_float32_rows_whose_scores_are_all_far_below_zero(is_causal, block_sizes
     (g_ref,) = torch.autograd.grad(ref.sum(), q)
     assert torch.isfinite(g_out).all()
     torch.testing.assert_close(g_out, g_ref, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "causal"])
+def test_float32_default_blocks_with_online_rescaling(gen, mask_kind):
+    """More than 512 keys: the default forward uses several key blocks (online rescaling)."""
+    B, h, nq, nk, d, r = 1, 2, 300, 600, 8, 1
+    q, k, v, _, Uk, lam = make(gen, "key", B=B, h=h, nq=nq, nk=nk, d=d, r=r, dv=4, dtype=torch.float32)
+    assert rr.attention_block_sizes(nq, nk, 1 + r)[1] < nk
+    mask, causal = masks(gen, mask_kind, nq, nk, B=B, h=h, dtype=torch.float32)
+    kw = dict(lam=lam, attn_mask=mask, is_causal=causal)
+    q.requires_grad_(True)
+    Uk.requires_grad_(True)
+    out = rr.riemannian_attention(q, k, v, None, Uk, **kw)
+    ref = rr.riemannian_attention_reference(q, k, v, None, Uk, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    g = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad((out * g).sum(), (q, Uk))
+    grads_ref = torch.autograd.grad((ref * g).sum(), (q, Uk))
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item())
+
+
+def test_block_size_rules_and_errors(gen):
+    # forward: up to 512 keys form one key block; backward and longer sequences: bounded tiles
+    assert rr.attention_block_sizes(512, 512, 2) == (128, 512)
+    assert rr.attention_block_sizes(40, 300, 9) == (40, 300)
+    bq, bk = rr.attention_block_sizes(512, 512, 2, backward=True)
+    assert bq * bk * 2 <= 2 ** 17 and bk % 64 == 0
+    bq, bk = rr.attention_block_sizes(4096, 4096, 9)
+    assert bq * bk * 9 <= 2 * 2 ** 17 and bk < 4096
+    with pytest.raises(ValueError, match="width must be a positive int"):
+        rr.attention_block_sizes(8, 8, 0)
+    with pytest.raises(ValueError, match="n_k must be a positive int"):
+        rr.attention_block_sizes(8, 8.0, 2)
+    q, k, v, _, Uk, lam = make(gen, "key")
+    for bad in [(2,), (0, 3), (2.0, 3), "23", (True, 3)]:
+        with pytest.raises(ValueError, match="block_sizes must be a pair of positive ints"):
+            rr.riemannian_attention(q, k, v, None, Uk, block_sizes=bad)
