@@ -249,21 +249,25 @@ def _query_block(q_b: Tensor, U_b: Tensor, cq: float) -> Tensor:
     return Qa.view(Bf, nb * rq, d + 1)
 
 
-def _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, mask_scale, causal, i0, i1, j0, j1):
+def _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, mask_scale, causal, i0, i1, j0, j1, xbuf, ybuf):
     """Scores of one tile and the rank products X (Bf, bq, 1+rk, bk), Y (Bf, bq, rq, bk).
 
     The scores ``S`` (Bf, bq, bk) are the view ``X[:, :, 0]`` (rows of stride
     ``(1 + rk) bk``), updated in place: the tile is never copied. A float
-    mask is added times ``mask_scale``.
+    mask is added times ``mask_scale``. ``xbuf`` and ``ybuf`` (flat, at least
+    one tile long) receive the products: one allocation per call, not one per
+    tile (large allocations that are freed and made again cost page faults).
     """
     Bf, nb, mb = qa_b.shape[0], i1 - i0, j1 - j0
-    X = torch.bmm(qa_b, Kt).view(Bf, nb, 1 + rk, mb)  # ONE product for Q K^T and all U_j^T q_i
+    X = torch.bmm(qa_b, Kt, out=xbuf[:Bf * nb * (1 + rk) * mb].view(Bf, nb, (1 + rk) * mb))
+    X = X.view(Bf, nb, 1 + rk, mb)  # ONE product for Q K^T and all U_j^T q_i
     S = X[:, :, 0]
     for t in range(1, rk + 1):
         S.addcmul_(X[:, :, t], X[:, :, t], value=-1.0)
     Y = None
     if rq:
-        Y = torch.bmm(Qa, kta_b).view(Bf, nb, rq, mb)  # U_i^T k_j for the query side
+        Y = torch.bmm(Qa, kta_b, out=ybuf[:Bf * nb * rq * mb].view(Bf, nb * rq, mb))
+        Y = Y.view(Bf, nb, rq, mb)  # U_i^T k_j for the query side
         for t in range(rq):
             S.addcmul_(Y[:, :, t], Y[:, :, t], value=-1.0)
     if causal and j1 - 1 > i0:  # top-left aligned: key j is seen by query i iff j <= i
@@ -311,7 +315,8 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         s2, ck2, cq2 = scale * _LOG2E, ck * math.sqrt(_LOG2E), cq * math.sqrt(_LOG2E)
         # Only a mask can leave a row with no visible key (a causal row always sees key 0).
         maybe_dead = mask is not None
-        qa = _augment(q)  # (Bf, n_q, d+1), built once
+        xbuf = q.new_empty(Bf * min(bq, n_q) * (1 + rk) * min(bk, n_k))
+        ybuf = q.new_empty(Bf * min(bq, n_q) * rq * min(bk, n_k)) if rq else None
         # Key blocks outside, so each stacked key block is built once; the running
         # max m (base 2), sum l and output acc of every query row live across them.
         m = q.new_empty(Bf, n_q)
@@ -326,7 +331,8 @@ class _RiemannianAttentionFn(torch.autograd.Function):
             for i0 in range(i_start, n_q, bq):
                 i1 = min(i0 + bq, n_q)
                 Qa = _query_block(q[:, i0:i1], Uq[:, i0:i1], cq2) if rq else None
-                S, X, Y = _tile(qa[:, i0:i1], Kt, Qa, kta_b, rk, rq, mask, _LOG2E, causal, i0, i1, j0, j1)
+                S, X, Y = _tile(_augment(q[:, i0:i1]), Kt, Qa, kta_b, rk, rq, mask, _LOG2E, causal,
+                                i0, i1, j0, j1, xbuf, ybuf)
                 m_b, l_b, acc_b = m[:, i0:i1], l[:, i0:i1], acc[:, i0:i1]
                 m_new = S.amax(-1)
                 if j0 > 0:
@@ -364,10 +370,13 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         rk = Uk.shape[-1] if Uk is not None else 0
         rq = Uq.shape[-1] if Uq is not None else 0
         dout = dout.contiguous()
-        # dS in the tiles' base-2 units is ln 2 times the natural one: fold ln 2 into dO and D.
-        dout2 = dout * _LN2
-        Drow = (dout2 * out).sum(-1)  # ln 2 * rowsum(dO * O)              (Bf, n_q)
-        qa = _augment(q)
+        Drow = (dout * out).sum(-1)  # rowsum(dO * O)                     (Bf, n_q)
+        xbuf = q.new_empty(Bf * min(bq, n_q) * (1 + rk) * min(bk, n_k))
+        ybuf = q.new_empty(Bf * min(bq, n_q) * rq * min(bk, n_k)) if rq else None
+        # The tiles hold base-2 products X' (X'^(0) = log2(e) X^(0), X'^(t) = sqrt(log2(e)) X^(t)),
+        # so dX'^(0) = ln 2 dS and dX'^(t) = -2 ln 2 X'^(t) dS: the factors ln 2 and -2 ln 2 go
+        # into the key side (O(nb d r) per key block) instead of a pass over every tile.
+        f0, ft = _LN2, -2.0 * _LN2
         dqa = q.new_zeros(Bf, n_q, d + 1)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         dUk = torch.zeros_like(Uk) if rk else None
@@ -382,7 +391,8 @@ class _RiemannianAttentionFn(torch.autograd.Function):
             # dX^(t) = -2 X^(t) dS for t >= 1: the factor -2 goes into the key side
             # (O(nb d r) here and below) instead of a pass over every tile.
             KtT = Kt.transpose(1, 2).clone()
-            KtT[:, j1 - j0:].mul_(-2.0)
+            KtT[:, :j1 - j0].mul_(f0)
+            KtT[:, j1 - j0:].mul_(ft)
             kta_b = _augment(k_b).transpose(1, 2) if rq else None  # (Bf, d+1, nb)
             dKt = torch.zeros_like(Kt)
             dkta = torch.zeros(Bf, d + 1, j1 - j0, dtype=q.dtype, device=q.device) if rq else None
@@ -391,27 +401,28 @@ class _RiemannianAttentionFn(torch.autograd.Function):
             i_start = (j0 // bq) * bq if causal else 0  # earlier query blocks see none of these keys
             for i0 in range(i_start, n_q, bq):
                 i1 = min(i0 + bq, n_q)
-                qa_b = qa[:, i0:i1]
+                qa_b = _augment(q[:, i0:i1])
                 Qa = _query_block(q[:, i0:i1], Uq[:, i0:i1], cq2) if rq else None
-                S, X, Y = _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, _LOG2E, causal, i0, i1, j0, j1)
+                S, X, Y = _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, _LOG2E, causal, i0, i1, j0, j1, xbuf, ybuf)
                 P = S.sub_(lse[:, i0:i1].unsqueeze(-1)).exp2_()  # (Bf, bq, bk), the view X[:, :, 0]
                 dv_b.baddbmm_(P.transpose(1, 2), dout[:, i0:i1])
-                dP = torch.bmm(dout2[:, i0:i1], vT).sub_(Drow[:, i0:i1].unsqueeze(-1))
+                dP = torch.bmm(dout[:, i0:i1], vT).sub_(Drow[:, i0:i1].unsqueeze(-1))
                 dS = P.mul_(dP)  # X[:, :, 0] now holds dX^(0) = dS
-                if rk:  # X^(t) dS; the -2 of dX^(t) is in KtT and applied to dKt below
+                if rk:  # X'^(t) dS; the factor -2 ln 2 is in KtT and applied to dKt below
                     X[:, :, 1:].mul_(dS.unsqueeze(2))
                 dX = X.view(Bf, i1 - i0, -1)  # (Bf, bq, (1+rk) bk)
                 dqa[:, i0:i1].baddbmm_(dX, KtT)
                 dKt.baddbmm_(qa_b.transpose(1, 2), dX)
-                if rq:  # Y^(t) dS; the -2 of dY^(t) is applied to dQa and dkta afterwards
+                if rq:  # Y'^(t) dS; the factor -2 ln 2 is applied to dQa and dkta afterwards
                     dY = Y.mul_(dS.unsqueeze(2)).view(Bf, -1, j1 - j0)  # (Bf, bq rq, bk)
                     dQa[:, i0 * rq:i1 * rq].baddbmm_(dY, kta_b.transpose(1, 2))
                     dkta.baddbmm_(Qa.transpose(1, 2), dY)
                 del X, Y, S, P, dP, dS
-            dKt[:, :, j1 - j0:].mul_(-2.0)
+            dKt[:, :, :j1 - j0].mul_(f0)
+            dKt[:, :, j1 - j0:].mul_(ft)
             dk_b, dU_b, dlam_b, dW_b = _key_block_backward(dKt, k_b, Mk, lam, W, U_b, s2, ck2, need_lam)
             if rq:
-                dk_b = dk_b - 2.0 * dkta[:, :d].transpose(1, 2)
+                dk_b = dk_b + ft * dkta[:, :d].transpose(1, 2)
             dk[:, j0:j1] = dk_b
             if rk:
                 dUk[:, j0:j1] = dU_b
@@ -422,7 +433,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         dq = dqa[..., :d]
         dUq = None
         if rq:  # Qa = [c U_i^T, -c U_i^T q_i]
-            dQa = dQa.view(Bf, n_q, rq, d + 1).mul_(-2.0)
+            dQa = dQa.view(Bf, n_q, rq, d + 1).mul_(ft)
             dqb = -dQa[..., d]  # (Bf, n_q, rq)
             dUq = cq2 * (dQa[..., :d].transpose(-1, -2) + q.unsqueeze(-1) * dqb.unsqueeze(-2))  # (Bf, n_q, d, rq)
             dq = dq + cq2 * (Uq * dqb.unsqueeze(-2)).sum(-1)
