@@ -27,13 +27,14 @@ online over key blocks :cite:`milakov2018online,dao2022flashattention`; the
 backward recomputes each tile from ``q, k, v, U``, the output and the row
 log-sum-exp, so extra memory is ``O(n * block * (1 + r))`` in both passes.
 
-Three details make the loop fast on CPU, where every elementwise pass over a
-tile costs about as much as a tenth of its matrix product: the squares are
+Three details make the loop fast on CPU, where an elementwise pass over a
+tile costs a noticeable fraction of its matrix product: the squares are
 subtracted in place into the product's own output (no copy of the tile), the
 exponentials are ``exp2`` with ``log2(e)`` folded into the stacked constants
-(FlashAttention's trick; ``exp2`` is about 1.5x faster than ``exp`` here),
-and up to 512 keys form a single key block in the forward, so short rows
-need no online rescaling at all.
+(the trick of fused attention kernels), and every tile's product goes into
+one buffer allocated per call (a multi-megabyte tensor made and freed per
+tile costs page faults). ``benchmarks/bench_attention_ablation.py`` measures
+what each is worth.
 """
 from __future__ import annotations
 
@@ -144,17 +145,13 @@ def riemannian_attention_reference(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor 
 _NEG_INF = float("-inf")
 
 
-def attention_block_sizes(n_q: int, n_k: int, width: int, *, tile: int = 2 ** 17,
-                          backward: bool = False) -> tuple[int, int]:
-    """Query and key block sizes of the blockwise operator.
+def attention_block_sizes(n_q: int, n_k: int, width: int, *, tile: int = 2 ** 17) -> tuple[int, int]:
+    """Query and key block sizes of the blockwise operator (both passes).
 
     A tile holds ``bq * bk * width`` products (``width = 1 + r`` one-sided,
-    ``1 + 2r`` for ``"mean"``) per batch element; ``tile`` bounds that number,
-    so the extra memory of a tile does not grow with the rank. One exception,
-    forward only: up to 512 keys form a single key block (``bq <= 128``), so
-    each query row needs no online rescaling; the tile is then at most
-    ``128 * 512 * width`` products, the size of a 128-row slab of the dense
-    rank products.
+    ``1 + 2r`` for ``"mean"``) per batch element; ``tile`` bounds that number
+    (down to a floor of 64 keys per block), so the extra memory of a tile does
+    not grow with the rank.
 
     Parameters
     ----------
@@ -164,11 +161,8 @@ def attention_block_sizes(n_q: int, n_k: int, width: int, *, tile: int = 2 ** 17
         Products per (query, key) pair, ``>= 1``.
     tile : int
         Products per tile and batch element (default ``2**17``: 512 KiB in
-        float32). Chosen by measurement on the benchmark machine
+        float32), chosen by measurement on the benchmark machine
         (``benchmarks/bench_attention.py``), not derived.
-    backward : bool
-        Block sizes for the backward pass (which holds more per tile and
-        measured faster with the general rule at every ``n``).
 
     Returns
     -------
@@ -177,8 +171,6 @@ def attention_block_sizes(n_q: int, n_k: int, width: int, *, tile: int = 2 ** 17
     for name, val in (("n_q", n_q), ("n_k", n_k), ("width", width), ("tile", tile)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
-    if not backward and n_k <= 512:
-        return min(n_q, 128), n_k
     bq = max(1, min(n_q, 256))
     # a multiple of 64 columns per rank product keeps the GEMM on its fast path
     bk = max(64, 64 * round(tile / (bq * width * 64)))
@@ -306,7 +298,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, blocks_bwd):
+    def forward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks):
         Bf, n_q, d = q.shape
         n_k, dv = k.shape[1], v.shape[2]
         rk = Uk.shape[-1] if Uk is not None else 0
@@ -356,7 +348,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         # fully masked rows: lse = +inf, so that exp2(S - lse) = 0 in the backward
         lse = torch.where(l > 0, m + torch.log2(l.clamp_min(tiny)), float("inf"))
         ctx.save_for_backward(q, k, v, lam, W, Uk, Uq, mask, out, lse)
-        ctx.consts = (causal, scale, ck, cq, blocks_bwd)
+        ctx.consts = (causal, scale, ck, cq, blocks)
         return out
 
     @staticmethod
@@ -437,7 +429,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
             dqb = -dQa[..., d]  # (Bf, n_q, rq)
             dUq = cq2 * (dQa[..., :d].transpose(-1, -2) + q.unsqueeze(-1) * dqb.unsqueeze(-2))  # (Bf, n_q, d, rq)
             dq = dq + cq2 * (Uq * dqb.unsqueeze(-2)).sum(-1)
-        return dq, dk, dv, dlam, dW, dUk, dUq, None, None, None, None, None, None, None
+        return dq, dk, dv, dlam, dW, dUk, dUq, None, None, None, None, None, None
 
 
 def _check_mask(attn_mask, is_causal, n_q, n_k, q):
@@ -513,8 +505,7 @@ def riemannian_attention(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor | None = N
         :func:`riemannian_attention_reference` (memory :math:`O(n^2 r)`):
         the blockwise kernel has no dropout. Pass 0 in evaluation.
     block_sizes : (int, int), optional
-        Query and key block sizes of both passes; default
-        :func:`attention_block_sizes`, chosen for each pass.
+        Query and key block sizes; default :func:`attention_block_sizes`.
 
     Returns
     -------
@@ -618,16 +609,14 @@ def riemannian_attention(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor | None = N
     c = math.sqrt(scale * w / 2.0)
     rk = Ukf.shape[-1] if Ukf is not None else 0
     rq = Uqf.shape[-1] if Uqf is not None else 0
-    width = 1 + rk + rq
     if block_sizes is not None:
-        blocks = blocks_bwd = _check_block_sizes(block_sizes)
+        blocks = _check_block_sizes(block_sizes)
     else:
-        blocks = attention_block_sizes(n_q, n_k, width)
-        blocks_bwd = attention_block_sizes(n_q, n_k, width, backward=True)
+        blocks = attention_block_sizes(n_q, n_k, 1 + rk + rq)
     out = _RiemannianAttentionFn.apply(qf.contiguous(), kf.contiguous(), vf.contiguous(), lamf, W,
                                        Ukf.contiguous() if Ukf is not None else None,
                                        Uqf.contiguous() if Uqf is not None else None,
-                                       maskf, bool(is_causal), scale, c, c, blocks, blocks_bwd)
+                                       maskf, bool(is_causal), scale, c, c, blocks)
     return out.view(*batch, n_q, v.shape[-1])
 
 
