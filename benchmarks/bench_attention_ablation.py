@@ -112,7 +112,7 @@ def main():
                 return rr.riemannian_attention(q, k, v, None, Uk, block_sizes=(128, 512))
 
         torch.testing.assert_close(two_blocks(), one_block(), rtol=1e-5, atol=1e-5)
-        rows.append(dict(what=f"operator n = 512, r = {r}, forward: two key blocks vs one (blocks (128, 256) vs (128, 512))",
+        rows.append(dict(what=f"operator n = 512, r = {r}, forward: two key blocks (128, 256) vs one (128, 512)",
                          slow="two key blocks: online rescaling", fast="one key block: none",
                          **compare(two_blocks, one_block, args.reps, args.min_time)))
 
