@@ -15,7 +15,8 @@ execute:
 	python3 dev.py execute
 
 bench:
-	.venv/bin/python benchmarks/bench_attention.py
+	OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_attention.py
+	OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_attention_ablation.py
 
 clean:
 	rm -rf _build .pytest_cache

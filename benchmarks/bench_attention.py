@@ -185,6 +185,7 @@ def main():
     p.add_argument("--side", default="key", choices=["key", "query", "mean"])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-mem", action="store_true", help="skip the memory subprocesses")
+    p.add_argument("--mem-ranks", type=int, nargs="+", help="ranks of the memory measurement (default: --ranks)")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_attention_cpu"),
                    help="write OUT.md and OUT.json ('' to skip)")
     p.add_argument("--mem-child", nargs=4, metavar=("N", "R", "OP", "BWD"), help=argparse.SUPPRESS)
@@ -219,7 +220,7 @@ def main():
         n = max(args.ns)
         for backward in (False, True):
             base = measure_mem(args, n, 1, "sdpa", backward)
-            for r in args.ranks:
+            for r in args.mem_ranks or args.ranks:
                 ours = measure_mem(args, n, r, "rr", backward)
                 mem.append(dict(n=n, r=r, passes="fwd+bwd" if backward else "fwd", sdpa_MiB=base / 2 ** 20,
                                 ours_MiB=ours / 2 ** 20, ratio=ours / max(base, 1)))

@@ -113,7 +113,7 @@ def main():
 
         torch.testing.assert_close(two_blocks(), one_block(), rtol=1e-5, atol=1e-5)
         rows.append(dict(what=f"operator n = 512, r = {r}, forward: two key blocks (128, 256) vs one (128, 512)",
-                         slow="two key blocks: online rescaling", fast="one key block: none",
+                         slow="two key blocks (online rescaling)", fast="one key block (no rescaling)",
                          **compare(two_blocks, one_block, args.reps, args.min_time)))
 
     info["load_after"] = os.getloadavg()
