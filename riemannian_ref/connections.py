@@ -456,8 +456,8 @@ def holonomy_defect(rates: Tensor, triangles: Tensor, positions: Tensor | None =
     For block rotations the loop is a rotation by, per block,
 
     .. math::
-        \phi_m = (p_j - p_i)\omega_{i,m} + (p_k - p_j)\omega_{j,m} + (p_i - p_k)\omega_{k,m}
-               = (p_j - p_i)(\omega_{i,m} - \omega_{k,m}) + (p_k - p_j)(\omega_{j,m} - \omega_{k,m}),
+        \phi_m &= (p_j - p_i)\omega_{i,m} + (p_k - p_j)\omega_{j,m} + (p_i - p_k)\omega_{k,m} \\
+               &= (p_j - p_i)(\omega_{i,m} - \omega_{k,m}) + (p_k - p_j)(\omega_{j,m} - \omega_{k,m}),
 
     and :math:`\|R(\phi) - I\|_F^2 = \sum_m 8\sin^2(\phi_m/2)`. The second form
     shows (and computes) that equal rates (trivial, flat) give exactly zero.

@@ -4,7 +4,8 @@ A single attention head whose queries :math:`x_i` read a context of
 :math:`n` tokens :math:`c_j`, with values equal to the context tokens, outputs
 
 .. math::
-    y_i = \sum_j a(x_i, c_j)\, c_j, \qquad
+    y_i = \sum_j a(x_i, c_j)\, c_j,
+
     a_{\text{lin}}(x_i, c_j) = \tfrac1n\, x_i^\top W c_j, \qquad
     a_{\text{soft}} = \mathrm{softmax}_j\big(x_i^\top W c_j / \sqrt d\big),
 

@@ -45,7 +45,8 @@ class LowRankMetric:
     Cholesky-factored once, lazily. Then
 
     .. math::
-        G^{-1} w = D^{-1} w - D^{-1} U C^{-1} U^\top D^{-1} w, \qquad
+        G^{-1} w = D^{-1} w - D^{-1} U C^{-1} U^\top D^{-1} w,
+
         \log\det G = \textstyle\sum_a \log D_{aa} + \log\det C .
     """
 

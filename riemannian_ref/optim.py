@@ -19,7 +19,8 @@ The Stiefel update for one frame ``W`` with Euclidean gradient ``g`` (step ``t``
     v \\leftarrow \\beta_2 v + (1 - \\beta_2) |\\xi|_F^2,
 
     \\Delta = -\\eta \\frac{m / (1 - \\beta_1^t)}{\\sqrt{v / (1 - \\beta_2^t)} + \\epsilon},
-    \\quad \\Delta \\leftarrow \\Delta \\min(1, \\rho / |\\Delta|_F), \\quad
+    \\quad \\Delta \\leftarrow \\Delta \\min(1, \\rho / |\\Delta|_F),
+
     W \\leftarrow \\operatorname{polar}(W + \\Delta), \\quad m \\leftarrow \\mathrm{proj}_W(m).
 
 ``v`` is *one scalar per frame*, so the step is a tangent vector of Frobenius

@@ -267,7 +267,8 @@ class AttentionStack(nn.Module):
     Per layer, with :math:`N` the LayerNorm (identity when ``layer_norm=False``):
 
     .. math::
-        Y = \mathrm{Attn}(N(X)) + [\text{skip}]\,X, \qquad
+        Y = \mathrm{Attn}(N(X)) + [\text{skip}]\,X,
+
         X' = \mathrm{MLP}(N(Y)) + [\text{skip}]\,Y \quad(\text{or } X' = Y \text{ without MLP}).
 
     With ``skip=mlp=layer_norm=False`` this is the pure self-attention network

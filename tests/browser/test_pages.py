@@ -108,6 +108,12 @@ INSPECT = r"""
         .map(c => 'undefined macro: ' + ([...c.querySelectorAll('mtext[mathcolor="red"]')]
           .map(e => e.textContent).join(' ') || '(red text in formula)'))),
     mjxContainers: document.querySelectorAll('mjx-container').length,
+    // Display equations wider than their column (the window is 1280 px wide):
+    // a reader would have to scroll them sideways.
+    mathTooWide: [...document.querySelectorAll('mjx-container[display="true"]')].filter(c => {
+      const inner = c.firstElementChild, box = c.parentElement;
+      return inner && box && inner.getBoundingClientRect().width > box.getBoundingClientRect().width + 1;
+    }).map(c => (c.textContent || '').slice(0, 60)),
     rawTex,
     images: [...document.images].map(i => ({src: i.getAttribute('src'), ok: i.complete && i.naturalWidth > 0})),
     widgetState: hasState,
@@ -182,6 +188,8 @@ def test_page_reads_offline(browser, page):
         problems.append(f"math left as TeX: {info['mathUntypeset'][:5]}")
     if info["mathErrors"]:
         problems.append(f"MathJax errors: {info['mathErrors'][:5]}")
+    if info["mathTooWide"]:
+        problems.append(f"display equations wider than the text column: {info['mathTooWide'][:5]}")
     if info["rawTex"]:
         problems.append(f"raw TeX delimiters in the text: {info['rawTex'][:5]}")
     broken = [i["src"] for i in info["images"] if not i["ok"]]
