@@ -123,6 +123,7 @@ def riemannian_attention_reference(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor 
         raise ValueError(f"v must have shape [..., n_k, d_v] with n_k = {k.shape[-2]}, got {shape_str(v)}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    _check_has_keys(k)
     S = riemannian_scores(q, k, U_q, U_k, lam=lam, metric_side=metric_side, scale=scale)
     M = build_additive_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], q)
     if M is not None:
@@ -278,9 +279,9 @@ def _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, mask_scale, causal, i0, i1, j0, j1,
 
 # The tiles compute scores in base 2: every constant carries log2(e), so the
 # softmax runs on exp2, which is markedly faster than exp on CPU (the trick of
-# FlashAttention's kernels). The backward multiplies dS by ln 2 to return to
-# natural units; the chain rule through the key block then uses the same
-# scaled constants.
+# fused attention kernels). In the backward, dS is in natural units and the
+# factor ln 2 of the base-2 products is folded into the stacked key block; the
+# chain rule through the key block then uses the same scaled constants.
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 
@@ -380,9 +381,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
             k_b, v_b = k[:, j0:j1], v[:, j0:j1]
             U_b = Uk[:, j0:j1] if rk else None
             Kt, Mk = _key_block(k_b, lam, W, U_b, s2, ck2)
-            # dX^(t) = -2 X^(t) dS for t >= 1: the factor -2 goes into the key side
-            # (O(nb d r) here and below) instead of a pass over every tile.
-            KtT = Kt.transpose(1, 2).clone()
+            KtT = Kt.transpose(1, 2).clone()  # carries the factors f0 (t = 0) and ft (t >= 1) of dX
             KtT[:, :j1 - j0].mul_(f0)
             KtT[:, j1 - j0:].mul_(ft)
             kta_b = _augment(k_b).transpose(1, 2) if rq else None  # (Bf, d+1, nb)
@@ -450,6 +449,12 @@ def _check_mask(attn_mask, is_causal, n_q, n_k, q):
     if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         raise ValueError(f"a float attn_mask must have the dtype of q ({q.dtype}), got {attn_mask.dtype}")
     return attn_mask
+
+
+def _check_has_keys(k: Tensor) -> None:
+    if k.shape[-2] == 0:
+        raise ValueError(f"k must hold at least one key (shape [..., n_k, d] with n_k >= 1), got {shape_str(k)}: "
+                         "a softmax over no keys is undefined")
 
 
 def _check_block_sizes(block_sizes) -> tuple[int, int]:
@@ -557,6 +562,7 @@ def riemannian_attention(q: Tensor, k: Tensor, v: Tensor, U_q: Tensor | None = N
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     n_q, n_k, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    _check_has_keys(k)
     attn_mask = _check_mask(attn_mask, is_causal, n_q, n_k, q)
     if dropout_p > 0.0:
         return riemannian_attention_reference(q, k, v, U_q, U_k, lam=lam, metric_side=metric_side,

@@ -383,3 +383,11 @@ def test_block_size_rules_and_errors(gen):
     for bad in [(2,), (0, 3), (2.0, 3), "23", (True, 3)]:
         with pytest.raises(ValueError, match="block_sizes must be a pair of positive ints"):
             rr.riemannian_attention(q, k, v, None, Uk, block_sizes=bad)
+
+
+def test_no_keys_is_a_clear_error(gen):
+    q = torch.randn(2, 3, 4, generator=gen)
+    k, v, U = torch.randn(2, 0, 4), torch.randn(2, 0, 5), torch.randn(2, 0, 4, 1)
+    for fn in (rr.riemannian_attention, rr.riemannian_attention_reference):
+        with pytest.raises(ValueError, match="k must hold at least one key"):
+            fn(q, k, v, None, U)
