@@ -286,6 +286,19 @@ _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 
 
+def _base2(scale: float, ck: float, cq: float) -> tuple[float, float, float]:
+    """The tiles' constants: ``scale`` times log2(e), the factors ``c`` times sqrt(log2(e))."""
+    return scale * _LOG2E, ck * math.sqrt(_LOG2E), cq * math.sqrt(_LOG2E)
+
+
+def _tile_buffers(q: Tensor, n_q: int, n_k: int, bq: int, bk: int, rk: int, rq: int):
+    """Flat buffers for the largest tile's products X and Y (see :func:`_tile`), one per call."""
+    Bf, tq, tk = q.shape[0], min(bq, n_q), min(bk, n_k)
+    xbuf = q.new_empty(Bf * tq * (1 + rk) * tk)
+    ybuf = q.new_empty(Bf * tq * rq * tk) if rq else None
+    return xbuf, ybuf
+
+
 class _RiemannianAttentionFn(torch.autograd.Function):
     """Blockwise forward with online softmax; backward recomputes every tile.
 
@@ -305,11 +318,10 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         rk = Uk.shape[-1] if Uk is not None else 0
         rq = Uq.shape[-1] if Uq is not None else 0
         bq, bk = blocks
-        s2, ck2, cq2 = scale * _LOG2E, ck * math.sqrt(_LOG2E), cq * math.sqrt(_LOG2E)
+        s2, ck2, cq2 = _base2(scale, ck, cq)
         # Only a mask can leave a row with no visible key (a causal row always sees key 0).
         maybe_dead = mask is not None
-        xbuf = q.new_empty(Bf * min(bq, n_q) * (1 + rk) * min(bk, n_k))
-        ybuf = q.new_empty(Bf * min(bq, n_q) * rq * min(bk, n_k)) if rq else None
+        xbuf, ybuf = _tile_buffers(q, n_q, n_k, bq, bk, rk, rq)
         # Key blocks outside, so each stacked key block is built once; the running
         # max m (base 2), sum l and output acc of every query row live across them.
         m = q.new_empty(Bf, n_q)
@@ -356,7 +368,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, lam, W, Uk, Uq, mask, out, lse = ctx.saved_tensors
         causal, scale, ck, cq, (bq, bk) = ctx.consts
-        s2, ck2, cq2 = scale * _LOG2E, ck * math.sqrt(_LOG2E), cq * math.sqrt(_LOG2E)
+        s2, ck2, cq2 = _base2(scale, ck, cq)
         need_lam = ctx.needs_input_grad[3]
         Bf, n_q, d = q.shape
         n_k = k.shape[1]
@@ -364,8 +376,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         rq = Uq.shape[-1] if Uq is not None else 0
         dout = dout.contiguous()
         Drow = (dout * out).sum(-1)  # rowsum(dO * O)                     (Bf, n_q)
-        xbuf = q.new_empty(Bf * min(bq, n_q) * (1 + rk) * min(bk, n_k))
-        ybuf = q.new_empty(Bf * min(bq, n_q) * rq * min(bk, n_k)) if rq else None
+        xbuf, ybuf = _tile_buffers(q, n_q, n_k, bq, bk, rk, rq)
         # The tiles hold base-2 products X' (X'^(0) = log2(e) X^(0), X'^(t) = sqrt(log2(e)) X^(t)),
         # so dX'^(0) = ln 2 dS and dX'^(t) = -2 ln 2 X'^(t) dS: the factors ln 2 and -2 ln 2 go
         # into the key side (O(nb d r) per key block) instead of a pass over every tile.
