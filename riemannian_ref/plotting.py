@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .metrics import LowRankMetric
+from .geometry.metric import LowRankMetric
 
 __all__ = ["ellipse_params", "metric_ellipse", "draw_metric_field", "draw_path"]
 

@@ -1,4 +1,4 @@
-r"""A small training loop for causal language models on :class:`~riemannian_ref.tasks.TaskData`.
+r"""The package's one training loop, for every model on a :class:`~riemannian_ref.data.TaskData`.
 
 ``train(model, train_data, val_data, config)`` minimises the masked
 cross-entropy
@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .tasks import TaskData
+from .data import TaskData
 
 __all__ = [
     "TrainConfig",
@@ -87,11 +87,12 @@ class TrainConfig:
         no clipping.
     steps : int, default 1000
         Total optimiser steps; defines the schedule and the final evaluation.
-    batch_size : int, default 32
+    batch_size : int or None, default 32
         Global batch size: under DDP each of the ranks takes
         ``batch_size / world_size`` (it must divide). Batches are drawn
         uniformly with replacement from the (rank's shard of the) training
-        examples.
+        examples. None: full batch, every step uses all (the rank's shard of
+        the) training examples, in order.
     eval_interval : int, default 100
         Evaluate at step 0, every ``eval_interval`` steps and at ``steps``.
     eval_batch_size : int, default 256
@@ -130,7 +131,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
     grad_clip: float | None = 1.0  # max global gradient norm; None: no clipping
     steps: int = 1000  # total optimiser steps (defines the schedule)
-    batch_size: int = 32  # global batch (divided across DDP ranks)
+    batch_size: int | None = 32  # global batch (divided across DDP ranks); None: full batch
     eval_interval: int = 100  # evaluate at step 0, every eval_interval steps and at the end
     eval_batch_size: int = 256  # per rank
     eval_max_examples: int | None = None  # evaluate on a prefix of val (None: all of it)
@@ -153,7 +154,7 @@ class TrainConfig:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
-        for name in ("steps", "batch_size", "eval_interval", "eval_batch_size"):
+        for name in ("steps", "eval_interval", "eval_batch_size") + (("batch_size",) if self.batch_size is not None else ()):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -401,17 +402,24 @@ def _empty_history() -> dict[str, list]:
                             "val_seq_accuracy", "tokens_per_s", "time_s")}
 
 
-def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: TrainConfig,
-          hooks: Sequence[Hook] = ()) -> TrainResult:
+def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: TrainConfig, *,
+          optimizer: torch.optim.Optimizer | None = None, hooks: Sequence[Hook] = ()) -> TrainResult:
     """Train ``model`` on ``train_data``, evaluating on ``val_data``.
 
     Parameters
     ----------
     model : nn.Module
-        ``model(idx [B, n]) -> logits [B, n, V]``; moved to ``config.device``.
-        Under DDP pass the plain module: it is wrapped here.
+        ``model(idx [B, n]) -> logits [B, n, C]`` (or a tuple or dict holding
+        them, :func:`logits_of`); moved to ``config.device``. Under DDP pass
+        the plain module: it is wrapped here.
     train_data, val_data : TaskData
     config : TrainConfig
+    optimizer : torch.optim.Optimizer, optional
+        Built by the caller over the model's parameters (e.g. a
+        :class:`~riemannian_ref.optim.adam.StiefelAdam` with its own groups);
+        each group's ``lr`` is its peak rate, which the schedule of ``config``
+        scales (warm-up, cosine). None: AdamW or SGD as ``config`` says, with
+        no weight decay on vectors.
     hooks : sequence of callables ``hook(step, metrics)``
         Called (on every rank) after each evaluation with the step and the dict
         of that evaluation's metrics (the last entry of every history list).
@@ -432,9 +440,9 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
         raise ValueError("train_data and val_data must be TaskData")
     device = torch.device(config.device)
     rank, world = _dist()
-    if config.batch_size % world:
+    if config.batch_size is not None and config.batch_size % world:
         raise ValueError(f"batch_size={config.batch_size} must be divisible by the world size {world}")
-    local_bs = config.batch_size // world
+    local_bs = None if config.batch_size is None else config.batch_size // world
     shard = torch.arange(rank, len(train_data), world)
     if len(shard) == 0:
         raise ValueError(f"rank {rank} has no training examples ({len(train_data)} examples, world {world})")
@@ -446,7 +454,11 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
             model, device_ids=[device.index] if device.type == "cuda" else None)
         module = model.module
     n_params = _count_params(module)
-    opt = _make_optimizer(module, config)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    opt = optimizer if optimizer is not None else _make_optimizer(module, config)
+    for g in opt.param_groups:  # the schedule scales every group's own peak rate
+        g.setdefault("peak_lr", g["lr"])
     sampler = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
     history = _empty_history()
     start_step, train_time, tokens_seen = 0, 0.0, 0
@@ -486,7 +498,7 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
     def log_eval(step: int, loss_since: float, n_since: int) -> dict:
         m = evaluate(model, val_data, batch_size=config.eval_batch_size, device=device,
                      max_examples=config.eval_max_examples)
-        entry = {"step": step, "lr": lr_at(max(step - 1, 0), config),
+        entry = {"step": step, "lr": opt.param_groups[0]["peak_lr"] * lr_at(max(step - 1, 0), config) / config.lr,
                  "train_loss": loss_since / n_since if n_since else float("nan"),
                  "val_loss": m["loss"], "val_accuracy": m["accuracy"], "val_seq_accuracy": m["seq_accuracy"],
                  "tokens_per_s": tokens_seen / train_time if train_time > 0 else float("nan"),
@@ -508,10 +520,10 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
     step = start_step
     for step in range(start_step + 1, stop + 1):
         t0 = time.perf_counter()
-        lr = lr_at(step - 1, config)
+        factor = lr_at(step - 1, config) / config.lr
         for g in opt.param_groups:
-            g["lr"] = lr
-        b = shard[torch.randint(0, len(shard), (local_bs,), generator=sampler)]
+            g["lr"] = g["peak_lr"] * factor
+        b = shard if local_bs is None else shard[torch.randint(0, len(shard), (local_bs,), generator=sampler)]
         x, y, m = (train_data.x[b].to(device), train_data.y[b].to(device), train_data.mask[b].to(device))
         loss = masked_cross_entropy(logits_of(model(x)), y, m)
         opt.zero_grad(set_to_none=True)

@@ -18,9 +18,65 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ._checks import as_positive, broadcast_batch, check_same, check_tensor, shape_str
+from .._checks import as_positive, broadcast_batch, check_same, check_tensor, shape_str
 
-__all__ = ["LowRankMetric", "MetricNet"]
+__all__ = ["LowRankMetric", "MetricNet", "LAM_MIN", "lam_from_raw", "raw_from_lam"]
+
+#: Default floor :math:`\lambda_{\min}` of every learned isotropic part: with
+#: :math:`\lambda = \mathrm{softplus}(\rho) + \lambda_{\min}` the metric
+#: :math:`G = \lambda I + U U^\top` is uniformly positive definite.
+LAM_MIN = 1e-3
+
+
+def lam_from_raw(rho: Tensor, lam_min: float = LAM_MIN) -> Tensor:
+    r"""The package's one rule for a learned :math:`\lambda`: :math:`\mathrm{softplus}(\rho) + \lambda_{\min}`.
+
+    Parameters
+    ----------
+    rho : Tensor, any shape
+        The unconstrained parameter.
+    lam_min : float
+        The floor :math:`\lambda_{\min} > 0`.
+
+    Returns
+    -------
+    Tensor, the shape of ``rho``
+    """
+    return nn.functional.softplus(rho) + lam_min
+
+
+def raw_from_lam(lam_init: float, lam_min: float = LAM_MIN, *, name: str = "lam_init") -> float:
+    r"""The :math:`\rho` with :func:`lam_from_raw` equal to ``lam_init``: :math:`\log(e^{\lambda - \lambda_{\min}} - 1)`.
+
+    Parameters
+    ----------
+    lam_init : float
+        The wanted :math:`\lambda`, finite and above ``lam_min``.
+    lam_min : float
+        The floor, finite and :math:`> 0`.
+    name : str
+        The argument name used in error messages.
+
+    Returns
+    -------
+    float
+
+    Raises
+    ------
+    ValueError
+        Naming ``name`` if ``lam_init`` is not a finite number above
+        ``lam_min`` or ``lam_min`` is not a finite positive number.
+    """
+    for nm, val in (("lam_min", lam_min), (name, lam_init)):
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val):
+            raise ValueError(f"{nm} must be a finite number, got {val!r}")
+    if not lam_min > 0:
+        raise ValueError(f"lam_min must be > 0, got {lam_min!r}")
+    if not lam_init > lam_min:
+        raise ValueError(f"{name} must be > lam_min = {lam_min:g} (the floor of lambda), got {lam_init!r}")
+    x = float(lam_init) - float(lam_min)
+    # log(expm1(x)) = x + log(1 - exp(-x)): no overflow for large x
+    return x + math.log(-math.expm1(-x))
 
 
 class LowRankMetric:
@@ -247,7 +303,10 @@ class MetricNet(nn.Module):
 
     Produces, for every token and head, :math:`U_i \in \mathbb{R}^{d\times r}`
     by a linear map of the token state, and a learned per-head
-    :math:`\lambda = \mathrm{softplus}(\rho) + \lambda_{\min}`.
+    :math:`\lambda = \mathrm{softplus}(\rho) + \lambda_{\min}`
+    (:func:`lam_from_raw`). With ``shared=True`` the factor is one learned
+    parameter per head instead, :math:`U_h \in \mathbb{R}^{d\times r}`, the
+    same for every token (a shared metric).
 
     The linear map is initialised with standard deviation
     ``strength / sqrt(D r)``, so that for unit-variance token states every
@@ -255,6 +314,7 @@ class MetricNet(nn.Module):
     :math:`\mathbb{E}\,\|U_i^\top v\|^2 = \mathrm{strength}^2 \|v\|^2`
     whatever the rank: at init the metric is :math:`\lambda I` plus a
     perturbation of comparable size, and ``strength`` sweeps its heterogeneity.
+    A shared factor gets entries of the same variance.
 
     Parameters
     ----------
@@ -272,41 +332,56 @@ class MetricNet(nn.Module):
         Floor :math:`\lambda_{\min} > 0` that keeps :math:`G` uniformly SPD.
     strength : float
         Multiplies the initial weights: 0 gives :math:`U = 0` at init.
+    shared : bool
+        One learned factor per head (shape ``[h, d, r]``) instead of per-token
+        factors computed from the states.
     diagonal : bool
-        Also produce a per-token diagonal :math:`\delta_i = \lambda\,\mathrm{softplus}(\cdot)/\mathrm{softplus}(0)`
-        for the diagonal-plus-low-rank form.
+        Also learn a per-token diagonal (:meth:`delta`) for the
+        diagonal-plus-low-rank form :math:`G = \mathrm{diag}(\delta) + U U^\top`.
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, rank: int, *,
-                 lam_init: float = 1.0, lam_min: float = 1e-3, strength: float = 1.0,
-                 diagonal: bool = False):
+                 lam_init: float = 1.0, lam_min: float = LAM_MIN, strength: float = 1.0,
+                 shared: bool = False, diagonal: bool = False):
         super().__init__()
         for name, val in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim)):
-            if not isinstance(val, int) or val <= 0:
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
-        if not isinstance(rank, int) or rank < 0:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be an int >= 0, got {rank!r}")
-        if not lam_init > lam_min > 0:
-            raise ValueError(f"need lam_init > lam_min > 0, got lam_init={lam_init}, lam_min={lam_min}")
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) \
+                or not (math.isfinite(strength) and strength >= 0):
+            raise ValueError(f"strength must be a finite number >= 0, got {strength!r}")
+        if diagonal and shared:
+            raise ValueError("diagonal=True needs per-token metrics (shared=False)")
+        rho = raw_from_lam(lam_init, lam_min)
         self.d_model, self.n_heads, self.head_dim, self.rank = d_model, n_heads, head_dim, rank
-        self.lam_min = lam_min
-        self.diagonal = diagonal
-        self.proj = nn.Linear(d_model, n_heads * head_dim * rank, bias=False) if rank > 0 else None
-        if self.proj is not None:
-            nn.init.normal_(self.proj.weight, std=strength / math.sqrt(d_model * rank))
-        # softplus(rho) + lam_min = lam_init
-        rho = math.log(math.expm1(lam_init - lam_min))
-        self.rho = nn.Parameter(torch.full((n_heads,), rho))
-        self.diag_proj = nn.Linear(d_model, n_heads * head_dim) if diagonal else None
-        if self.diag_proj is not None:
+        self.lam_min, self.shared, self.diagonal = lam_min, shared, diagonal
+        h, d, r = n_heads, head_dim, rank
+        self.rho = nn.Parameter(torch.full((h,), rho))
+        self.proj = self.U = None
+        if shared:
+            self.U = nn.Parameter(torch.randn(h, d, r) * (strength / math.sqrt(max(r, 1))))  # (h, d, r)
+        elif r > 0:
+            self.proj = nn.Linear(d_model, h * d * r, bias=False)
+            nn.init.normal_(self.proj.weight, std=strength / math.sqrt(d_model * r))
+        self.diag_proj = None
+        if diagonal:
+            self.diag_proj = nn.Linear(d_model, h * d)
             nn.init.zeros_(self.diag_proj.weight)
             nn.init.zeros_(self.diag_proj.bias)
 
     def lam(self) -> Tensor:
         """Per-head :math:`\\lambda`, shape [h]."""
-        return nn.functional.softplus(self.rho) + self.lam_min
+        return lam_from_raw(self.rho, self.lam_min)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
+    def _check_x(self, x: Tensor) -> Tensor:
+        x = check_tensor(x, "x", min_dim=3)
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape [B, n, {self.d_model}], got {shape_str(x)}")
+        return x
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Metric factors for every token and head.
 
         Parameters
@@ -315,23 +390,39 @@ class MetricNet(nn.Module):
 
         Returns
         -------
-        lam : Tensor, shape [h] (broadcasts against the [B, h] batch of q, k)
-        U : Tensor, shape [B, h, n, d, r]
-        delta : Tensor, shape [B, h, n, d] (only when ``diagonal=True``)
+        lam : Tensor, shape [h]
+            Broadcasts against the ``[B, h]`` batch of queries and keys.
+        U : Tensor, shape [B, h, n, d, r], or [h, d, r] when ``shared``
+            (a shared factor broadcasts against the batch).
         """
-        x = check_tensor(x, "x", min_dim=3)
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [B, n, {self.d_model}], got {shape_str(x)}")
+        x = self._check_x(x)
         B, n, _ = x.shape
         h, d, r = self.n_heads, self.head_dim, self.rank
-        if self.proj is None:
+        if self.shared:
+            U = self.U.to(x.dtype)  # (h, d, r)
+        elif self.proj is None:
             U = x.new_zeros(B, h, n, d, 0)
         else:
             U = self.proj(x).view(B, n, h, d, r).permute(0, 2, 1, 3, 4)  # (B, h, n, d, r)
-        lam = self.lam()  # (h,)
-        if not self.diagonal:
-            return lam, U
+        return self.lam().to(x.dtype), U
+
+    def delta(self, x: Tensor) -> Tensor:
+        r"""Per-token diagonal :math:`\delta_i = \lambda\,\mathrm{softplus}(W x_i)/\log 2 + \lambda_{\min}`.
+
+        Equal to :math:`\lambda + \lambda_{\min}` at init (zero weights).
+
+        Parameters
+        ----------
+        x : Tensor, shape [B, n, D]
+
+        Returns
+        -------
+        Tensor, shape [B, h, n, d]
+        """
+        if self.diag_proj is None:
+            raise ValueError("delta() needs a MetricNet built with diagonal=True")
+        x = self._check_x(x)
+        B, n, _ = x.shape
+        h, d = self.n_heads, self.head_dim
         raw = self.diag_proj(x).view(B, n, h, d).transpose(1, 2)  # (B, h, n, d)
-        delta = lam.view(h, 1, 1) * nn.functional.softplus(raw) / math.log(2.0)
-        delta = delta + self.lam_min
-        return lam, U, delta
+        return self.lam().view(h, 1, 1) * nn.functional.softplus(raw) / math.log(2.0) + self.lam_min

@@ -1,4 +1,4 @@
-r"""Theorem 1 made checkable: rank bounds of Riemannian score matrices.
+r"""Rank bounds of Riemannian score matrices: Theorem 1 made checkable.
 
 The score of query :math:`i` and key :math:`j` is
 :math:`s_{ij} = -\frac{\text{scale}}{2}(q_i-k_j)^\top \bar G_{ij}(q_i-k_j)`
@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import broadcast_batch, check_tensor
-from .scores import METRIC_SIDES, check_score_inputs
+from .._checks import broadcast_batch, check_tensor
+from .scores import METRIC_SIDES, _check_score_inputs
 
 __all__ = ["score_rank_bound", "numerical_rank", "non_gram_factors"]
 
@@ -202,7 +202,12 @@ def non_gram_factors(q: Tensor, k: Tensor, U_q: Tensor | None = None, U_k: Tenso
     :math:`O(n d^2 (r + 1))` memory and time. A tool for analysis at small
     :math:`d`, not an attention kernel.
     """
-    lam_t, scale, per_q, per_k = check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale)
+    lam_t, scale, per_q, per_k = _check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale)
+    # a side the metric uses but with no factor: G = lam I, a shared factor of rank 0
+    if metric_side in ("key", "mean") and U_k is None:
+        U_k = q.new_zeros(q.shape[-1], 0)
+    if metric_side in ("query", "mean") and U_q is None:
+        U_q = q.new_zeros(q.shape[-1], 0)
     # every factor is expanded to the common batch shape of all inputs
     batch = broadcast_batch({
         "q.shape[:-2]": q.shape[:-2], "k.shape[:-2]": k.shape[:-2], "lam": lam_t.shape,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_tensor, shape_str
+from .._checks import check_tensor, shape_str
 
 __all__ = [
     "composite_norm",
@@ -40,6 +40,7 @@ __all__ = [
     "composite_residual_lower_bound",
     "stable_rank",
     "energy_effective_rank",
+    "attention_path_products",
 ]
 
 NORMS = ("composite", "fro")
@@ -281,3 +282,46 @@ def energy_effective_rank(X: Tensor) -> Tensor:
     plogp = torch.where(p > 0, p * torch.log(torch.where(p > 0, p, torch.ones_like(p))), torch.zeros_like(p))
     H = -plogp.sum(-1)
     return torch.where(tot.squeeze(-1) > 0, torch.exp(H), torch.zeros_like(H))
+
+
+def attention_path_products(weights: Tensor, heads: Tensor | None = None) -> Tensor:
+    r"""Products of attention matrices along a path of heads, :math:`P_l = A_l^{(h_l)} \cdots A_1^{(h_1)}`.
+
+    In the path decomposition of Dong et al. the output of a pure attention
+    stack is a sum over paths (one head per layer) of such products applied to
+    the input; a product of row-stochastic matrices is row-stochastic, and it
+    tends to a matrix with identical rows (rank one).
+
+    Parameters
+    ----------
+    weights : Tensor, shape [L, B, h, n, n]
+        Per-layer attention weights, as returned by
+        :class:`~riemannian_ref.models.transformer.FiberBundleTransformer` (``return_weights=True``).
+    heads : Tensor of int, shape [L] or [L, B], optional
+        The head taken at each layer (per batch element if 2-D); default head 0.
+
+    Returns
+    -------
+    Tensor, shape [L, B, n, n]
+        ``out[l-1]`` is the product of the first ``l`` layers.
+    """
+    weights = check_tensor(weights, "weights", min_dim=5)
+    if weights.dim() != 5 or weights.shape[-1] != weights.shape[-2]:
+        raise ValueError(f"weights must have shape [L, B, h, n, n], got {shape_str(weights)}")
+    L, B, h, n, _ = weights.shape
+    if heads is None:
+        heads = torch.zeros(L, dtype=torch.long, device=weights.device)
+    if not isinstance(heads, Tensor) or heads.dtype != torch.long or heads.shape not in ((L,), (L, B)):
+        raise ValueError(f"heads must be a long tensor of shape [{L}] or [{L}, {B}], got "
+                         f"{shape_str(heads) if isinstance(heads, Tensor) else type(heads).__name__}")
+    if heads.numel() and (heads.min() < 0 or heads.max() >= h):
+        raise ValueError(f"heads must lie in [0, {h}), got values in [{heads.min()}, {heads.max()}]")
+    if heads.dim() == 1:
+        heads = heads.unsqueeze(1).expand(L, B)  # (L, B)
+    idx = heads.view(L, B, 1, 1, 1).expand(L, B, 1, n, n)
+    A = weights.gather(2, idx).squeeze(2)  # (L, B, n, n)
+    out, P = [], None
+    for l in range(L):
+        P = A[l] if P is None else A[l] @ P
+        out.append(P)
+    return torch.stack(out)  # (L, B, n, n)

@@ -31,18 +31,20 @@ Eckart-Young, the best rank-:math:`r` student therefore has excess risk
 :math:`(1 + (d+1)/n)\sum_{k > r} \sigma_k(W^\star)^2`: positive below
 :math:`r^\star`, zero from :math:`r^\star` on. These are the *deficiency*
 and *achievability* halves of the Entropic Bound in this surrogate (see the
-seed abstract cited in the book); :func:`fit_low_rank_kernel` shows the third,
-*recovery* by gradient descent.
+intrinsic-rank paper cited in the book); :func:`fit_low_rank_kernel` shows the third,
+*recovery* by gradient descent (a full-batch least-squares fit of the
+surrogate's two factors, not a model training loop).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from ._checks import check_tensor, shape_str
+from .._checks import check_tensor, shape_str
+from .collapse import energy_effective_rank
 
 __all__ = [
     "teacher_kernel",
@@ -52,8 +54,6 @@ __all__ = [
     "kernel_statistic",
     "FitConfig",
     "fit_low_rank_kernel",
-    "recall_batch",
-    "RecallHead",
 ]
 
 _KINDS = ("linear", "softmax")
@@ -285,8 +285,6 @@ def fit_low_rank_kernel(Xq: Tensor, Xc: Tensor, Y: Tensor, r: int, config: FitCo
         ``loss`` (training MSE per token, list), ``erank`` (energy effective
         rank of ``W`` at those steps, list).
     """
-    from .diagnostics import energy_effective_rank
-
     cfg = config or FitConfig()
     _check_kind(cfg.attention)
     _check_pair(Xq, Xc)
@@ -314,109 +312,3 @@ def fit_low_rank_kernel(Xq: Tensor, Xc: Tensor, Y: Tensor, r: int, config: FitCo
         opt.step()
     hist["W"] = (A @ Bf.T).detach()
     return hist
-
-
-def recall_batch(batch: int, n_pairs: int, n_keys: int, n_values: int, *,
-                 generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    r"""Associative recall in its one-head form: find the pair whose key matches.
-
-    Each example holds ``n_pairs`` (key, value) pairs with distinct keys drawn
-    from ``n_keys`` symbols and values from ``n_values`` symbols, and one query
-    key among them; the answer is the value paired with it. Pairs arrive as
-    single tokens, so one attention head suffices: the query must attend to
-    the pair with the same key and read its value.
-
-    Parameters
-    ----------
-    batch : int
-        Number of examples.
-    n_pairs : int
-        Pairs per example, ``1 <= n_pairs <= n_keys``.
-    n_keys : int
-        Size of the key vocabulary; the keys of one example are drawn
-        without replacement, so they are distinct.
-    n_values : int
-        Size of the value vocabulary (>= 1); values are drawn with
-        replacement, so they may repeat.
-    generator : torch.Generator, optional
-        CPU generator for reproducible draws; all outputs are on the CPU.
-
-    Returns
-    -------
-    keys : Tensor, shape [batch, n_pairs] (int64)
-    values : Tensor, shape [batch, n_pairs] (int64)
-    query : Tensor, shape [batch] (int64), a key present in the example
-    answer : Tensor, shape [batch] (int64)
-    """
-    if not 1 <= n_pairs <= n_keys:
-        raise ValueError(f"n_pairs must be in [1, n_keys] = [1, {n_keys}], got {n_pairs}")
-    if n_values < 1:
-        raise ValueError(f"n_values must be >= 1, got {n_values}")
-    keys = torch.rand(batch, n_keys, generator=generator).argsort(-1)[:, :n_pairs]  # distinct keys
-    values = torch.randint(n_values, (batch, n_pairs), generator=generator)
-    which = torch.randint(n_pairs, (batch,), generator=generator)
-    rows = torch.arange(batch)
-    return keys, values, keys[rows, which], values[rows, which]
-
-
-class RecallHead(nn.Module):
-    r"""One attention head reading a value out of (key, value) pair tokens.
-
-    Pair tokens are :math:`x_t = E_k[\text{key}_t] + E_v[\text{value}_t]`, the
-    query token is :math:`E_k[\text{query}]`; queries and keys are projected
-    to a head of dimension ``head_dim`` (the query-key rank), scored by a dot
-    product (``kind="euclidean"``) or by a Riemannian distance with per-key
-    metrics of rank ``metric_rank`` (``kind="riemannian"``), and the attended
-    value is decoded to logits over the value symbols. ``metric_rank=0``
-    with ``kind="riemannian"`` is the plain Euclidean *distance* head (one
-    shared metric :math:`\lambda I`): the control that separates what the
-    distance form contributes from what per-token metrics add.
-
-    Parameters
-    ----------
-    n_keys, n_values : int
-        Vocabulary sizes.
-    d_model : int
-        Embedding width :math:`D`.
-    head_dim : int
-        Query-key dimension (the rank of :math:`W_Q W_K^\top`).
-    kind : {"euclidean", "riemannian"}
-    metric_rank : int
-        Rank of the per-key metrics (Riemannian only).
-    """
-
-    def __init__(self, n_keys: int, n_values: int, d_model: int, head_dim: int, *,
-                 kind: str = "euclidean", metric_rank: int = 2):
-        super().__init__()
-        if kind not in ("euclidean", "riemannian"):
-            raise ValueError(f"kind must be 'euclidean' or 'riemannian', got {kind!r}")
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
-        if metric_rank < 0:
-            raise ValueError(f"metric_rank must be >= 0, got {metric_rank}")
-        from .metrics import MetricNet
-
-        self.kind, self.head_dim = kind, head_dim
-        self.E_k = nn.Embedding(n_keys, d_model)
-        self.E_v = nn.Embedding(n_values, d_model)
-        self.W_q = nn.Linear(d_model, head_dim, bias=False)
-        self.W_k = nn.Linear(d_model, head_dim, bias=False)
-        self.W_v = nn.Linear(d_model, d_model, bias=False)
-        self.out = nn.Linear(d_model, n_values)
-        self.metric = MetricNet(d_model, 1, head_dim, metric_rank) if kind == "riemannian" else None
-
-    def forward(self, keys: Tensor, values: Tensor, query: Tensor) -> Tensor:
-        """Logits over values, shape [batch, n_values]."""
-        from .attention import riemannian_attention
-
-        x = self.E_k(keys) + self.E_v(values)  # (B, m, D)
-        xq = self.E_k(query).unsqueeze(1)  # (B, 1, D)
-        q = self.W_q(xq).unsqueeze(1)  # (B, 1, 1, r)
-        k = self.W_k(x).unsqueeze(1)  # (B, 1, m, r)
-        v = self.W_v(x).unsqueeze(1)  # (B, 1, m, D)
-        if self.kind == "euclidean":
-            o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        else:
-            lam, U = self.metric(x)  # U: (B, 1, m, r, rank)
-            o = riemannian_attention(q, k, v, U_k=U, lam=lam)
-        return self.out(o[:, 0, 0])  # (B, n_values)

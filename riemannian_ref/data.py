@@ -1,16 +1,23 @@
-r"""Generated training tasks: associative recall, modular addition, a character LM.
+r"""Every task the book trains on, generated in-process (no downloads).
 
-Every task is produced in-process (no downloads), deterministically from a
-seed, as a :class:`TaskData` of fixed examples: inputs ``x``, next-token
-targets ``y`` and a boolean ``mask`` of the positions that are scored. A model
-is a causal language model ``model(x) -> logits [B, n, V]``; the loss is the
-cross-entropy of ``logits`` against ``y`` on the masked positions only.
+A task is a :class:`TaskData` of fixed examples: inputs ``x``, targets ``y``
+and a boolean ``mask`` of the positions that are scored. A model maps
+``x [B, n]`` to logits ``[B, n, C]``; the loss is the cross-entropy of the
+logits against ``y`` on the masked positions only (:func:`riemannian_ref.training.train`).
+Random tasks draw from a ``torch.Generator`` (CPU) passed as ``generator``;
+sizes are keywords with the same names everywhere (``n_examples``,
+``vocab_size``, ``n_pairs``, ``seq_len``).
 
 - :func:`associative_recall`: multi-query associative recall (MQAR) as in the
-  Zoology study {cite}`arora2023zoology`: key-value pairs, then queries;
+  Zoology study :cite:`arora2023zoology`: key-value pairs, then queries;
   only the answers are scored, and every answer is determined by the context.
-- :func:`modular_addition`: ``a + b mod p`` with a train/validation split of
-  the :math:`p^2` pairs by fraction, the grokking setting {cite}`power2022grokking`.
+- :func:`pair_lookup`: the one-query form read by a single attention head:
+  each token is a whole (key, value) pair, the last token a query key.
+- :func:`modular_arithmetic`: ``a + b``, ``a - b`` or ``a / b`` modulo a prime,
+  with a train/validation split of the pairs by fraction, the grokking setting
+  :cite:`power2022grokking`.
+- :func:`counting`: for every token, how many tokens of its sequence share its
+  symbol (a per-token classification that a collapsed representation cannot solve).
 - :func:`char_lm`: characters of real English text that ships with every
   Python >= 3.10: the docstrings of a fixed list of standard-library modules,
   read from their source files with :mod:`ast` (so they exist even under
@@ -29,7 +36,9 @@ from torch import Tensor
 __all__ = [
     "TaskData",
     "associative_recall",
-    "modular_addition",
+    "pair_lookup",
+    "modular_arithmetic",
+    "counting",
     "char_lm",
     "stdlib_docstring_text",
     "STDLIB_TEXT_MODULES",
@@ -53,10 +62,12 @@ class TaskData:
     mask : Tensor, shape [N, n], bool
         Positions whose prediction is scored.
     vocab_size : int
-        Number of token ids; every id in ``x`` and ``y`` is below it (the
-        generators guarantee this; it is not checked here).
+        Number of input token ids; every id in ``x`` is below it.
     name : str, default ""
         Short description for result files.
+    n_classes : int or None, default None
+        Number of target classes (every scored ``y`` is below it); None: the
+        targets are tokens, ``vocab_size``.
 
     Raises
     ------
@@ -70,6 +81,7 @@ class TaskData:
     mask: Tensor
     vocab_size: int
     name: str = ""
+    n_classes: int | None = None
 
     def __post_init__(self):
         if self.x.dim() != 2 or self.x.dtype != torch.long:
@@ -89,11 +101,12 @@ class TaskData:
 
     def subset(self, index: Tensor | slice) -> "TaskData":
         """The examples at ``index`` (a slice or an index tensor)."""
-        return TaskData(self.x[index], self.y[index], self.mask[index], self.vocab_size, self.name)
+        return TaskData(self.x[index], self.y[index], self.mask[index], self.vocab_size, self.name, self.n_classes)
 
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(int(seed))
+    @property
+    def out_dim(self) -> int:
+        """Number of target classes (``n_classes`` or ``vocab_size``)."""
+        return self.n_classes if self.n_classes is not None else self.vocab_size
 
 
 def _positive_int(val, name: str, minimum: int = 1) -> int:
@@ -102,9 +115,14 @@ def _positive_int(val, name: str, minimum: int = 1) -> int:
     return val
 
 
-def associative_recall(n_examples: int, *, vocab_size: int = 64, num_pairs: int = 8,
-                       seq_len: int = 32, seed: int = 0) -> TaskData:
-    r"""Multi-query associative recall (MQAR) {cite}`arora2023zoology`.
+def _check_generator(generator) -> None:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
+def associative_recall(n_examples: int, *, vocab_size: int = 64, n_pairs: int = 8, seq_len: int = 32,
+                       generator: torch.Generator | None = None) -> TaskData:
+    r"""Multi-query associative recall (MQAR) :cite:`arora2023zoology`.
 
     Each sequence is ``k_1 v_1 k_2 v_2 ... k_N v_N`` followed by queries
     ``q_1 a_1 q_2 a_2 ...`` filling the rest of ``seq_len``: every query is one
@@ -118,32 +136,34 @@ def associative_recall(n_examples: int, *, vocab_size: int = 64, num_pairs: int 
     Parameters
     ----------
     n_examples : int
+        Number of sequences.
     vocab_size : int
-        Even, with ``vocab_size // 2 >= num_pairs`` (distinct keys).
-    num_pairs : int
+        Even, with ``vocab_size // 2 >= n_pairs`` (distinct keys).
+    n_pairs : int
         Number :math:`N` of key-value pairs in the context.
     seq_len : int
-        Sequence length :math:`n`, even and at least ``2 * num_pairs + 2``;
+        Sequence length :math:`n`, even and at least ``2 * n_pairs + 2``;
         ``(n - 2N) / 2`` queries.
-    seed : int
+    generator : torch.Generator, optional
+        CPU generator of the draws.
 
     Returns
     -------
     TaskData with x, y, mask of shape [n_examples, seq_len]
     """
     _positive_int(n_examples, "n_examples")
-    _positive_int(num_pairs, "num_pairs")
+    _positive_int(n_pairs, "n_pairs")
     _positive_int(vocab_size, "vocab_size", 2)
     _positive_int(seq_len, "seq_len", 2)
+    _check_generator(generator)
     if vocab_size % 2:
         raise ValueError(f"vocab_size must be even (keys and values take one half each), got {vocab_size}")
     half = vocab_size // 2
-    if num_pairs > half:
-        raise ValueError(f"num_pairs must be <= vocab_size // 2 = {half} (distinct keys), got {num_pairs}")
-    if seq_len % 2 or seq_len < 2 * num_pairs + 2:
-        raise ValueError(f"seq_len must be even and >= 2 * num_pairs + 2 = {2 * num_pairs + 2}, got {seq_len}")
-    g = _gen(seed)
-    N, B = num_pairs, n_examples
+    if n_pairs > half:
+        raise ValueError(f"n_pairs must be <= vocab_size // 2 = {half} (distinct keys), got {n_pairs}")
+    if seq_len % 2 or seq_len < 2 * n_pairs + 2:
+        raise ValueError(f"seq_len must be even and >= 2 * n_pairs + 2 = {2 * n_pairs + 2}, got {seq_len}")
+    g, N, B = generator, n_pairs, n_examples
     n_q = (seq_len - 2 * N) // 2
     keys = torch.rand(B, half, generator=g).argsort(dim=1)[:, :N]  # (B, N) distinct per row
     values = torch.randint(half, vocab_size, (B, N), generator=g)  # (B, N)
@@ -152,57 +172,165 @@ def associative_recall(n_examples: int, *, vocab_size: int = 64, num_pairs: int 
     answers = values.gather(1, which)  # (B, n_q)
     context = torch.stack([keys, values], dim=2).reshape(B, 2 * N)  # (B, 2N)
     tail = torch.stack([queries, answers], dim=2).reshape(B, 2 * n_q)  # (B, 2 n_q)
-    seq = torch.cat([context, tail], dim=1)  # (B, n)
-    x = seq
-    y = torch.roll(seq, -1, dims=1)  # next token; the last position wraps and is never scored
+    x = torch.cat([context, tail], dim=1)  # (B, n)
+    y = torch.roll(x, -1, dims=1)  # next token; the last position wraps and is never scored
     mask = torch.zeros(B, seq_len, dtype=torch.bool)
     mask[:, 2 * N::2] = True  # query positions: predict the answer that follows
     return TaskData(x, y, mask, vocab_size, f"recall(V={vocab_size},N={N},n={seq_len})")
 
 
-def modular_addition(p: int = 97, *, train_fraction: float = 0.5, seed: int = 0
-                     ) -> tuple[TaskData, TaskData]:
-    r"""All pairs ``(a, b)`` with the target :math:`(a + b) \bmod p` {cite}`power2022grokking`.
+def pair_lookup(n_examples: int, *, n_keys: int = 32, n_values: int = 16, n_pairs: int = 8,
+                generator: torch.Generator | None = None) -> TaskData:
+    r"""Associative recall in its one-head form: find the pair whose key matches the query.
+
+    Each example holds ``n_pairs`` (key, value) pairs with distinct keys drawn
+    from ``n_keys`` symbols and values from ``n_values`` symbols (with
+    replacement), then one query key among them; the answer is the value
+    paired with it. A pair arrives as ONE token, with id
+    ``key * (n_values + 1) + value``; the query token has the id
+    ``key * (n_values + 1) + n_values`` (a key with "no value"), so one
+    attention head suffices (:class:`riemannian_ref.models.heads.RecallHead`).
+    Only the last position is scored; its target is the answer, a class in
+    ``[0, n_values)``.
+
+    Parameters
+    ----------
+    n_examples : int
+        Number of examples.
+    n_keys : int
+        Size of the key vocabulary, ``>= n_pairs``.
+    n_values : int
+        Size of the value vocabulary, ``>= 1``.
+    n_pairs : int
+        Pairs per example, ``>= 1``.
+    generator : torch.Generator, optional
+        CPU generator of the draws.
+
+    Returns
+    -------
+    TaskData
+        ``x``, ``y``, ``mask`` of shape ``[n_examples, n_pairs + 1]``,
+        ``vocab_size = n_keys * (n_values + 1)``, ``n_classes = n_values``.
+    """
+    _positive_int(n_examples, "n_examples")
+    _positive_int(n_pairs, "n_pairs")
+    _positive_int(n_values, "n_values")
+    _positive_int(n_keys, "n_keys")
+    _check_generator(generator)
+    if n_pairs > n_keys:
+        raise ValueError(f"n_pairs must be <= n_keys = {n_keys} (distinct keys), got {n_pairs}")
+    g, B = generator, n_examples
+    keys = torch.rand(B, n_keys, generator=g).argsort(-1)[:, :n_pairs]  # (B, N) distinct keys
+    values = torch.randint(n_values, (B, n_pairs), generator=g)  # (B, N)
+    which = torch.randint(n_pairs, (B,), generator=g)  # (B,)
+    rows = torch.arange(B)
+    query, answer = keys[rows, which], values[rows, which]  # (B,)
+    x = torch.cat([keys * (n_values + 1) + values, (query * (n_values + 1) + n_values).unsqueeze(1)], 1)
+    y = torch.zeros_like(x)
+    y[:, -1] = answer
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    mask[:, -1] = True
+    return TaskData(x, y, mask, n_keys * (n_values + 1), f"lookup(K={n_keys},V={n_values},N={n_pairs})",
+                    n_classes=n_values)
+
+
+def _is_prime(p: int) -> bool:
+    return p >= 2 and all(p % f for f in range(2, int(p ** 0.5) + 1))
+
+
+def modular_arithmetic(p: int = 97, *, op: str = "+", train_fraction: float = 0.5,
+                       generator: torch.Generator | None = None) -> tuple[TaskData, TaskData]:
+    r"""Binary operations modulo ``p`` on all pairs, split at random :cite:`power2022grokking`.
 
     A sequence is ``a b =`` (tokens ``a``, ``b`` in ``[0, p)`` and ``=`` the
     token ``p``); only the last position is scored, with target
-    :math:`(a+b) \bmod p` (the targets of the unscored positions are the
-    next tokens ``b`` and ``=``). The :math:`p^2` pairs are shuffled with
-    ``seed`` and split: the first ``round(train_fraction p^2)`` train, the
-    rest validate.
+    :math:`a + b`, :math:`a - b` or :math:`a\,b^{-1}` modulo ``p`` (for
+    ``"/"`` the pairs with :math:`b = 0` are left out, and ``p`` must be
+    prime). The targets of the unscored positions are the next tokens. The
+    pairs are shuffled with ``generator`` and split: the first
+    ``round(train_fraction * N)`` train, the rest validate. Addition is
+    symmetric in ``a, b`` (order-blind attention can solve it); subtraction
+    and division are not.
 
     Parameters
     ----------
     p : int, default 97
         Modulus, at least 2; the operands are ``0, ..., p - 1``.
+    op : {"+", "-", "/"}, default "+"
+        The operation.
     train_fraction : float, default 0.5
-        Fraction of the :math:`p^2` pairs in the training split, in
-        ``(0, 1)``; ``ValueError`` if either split would be empty.
-    seed : int, default 0
-        Seed of the shuffle that decides the split.
+        Fraction of the pairs in the training split, in ``(0, 1)``;
+        ``ValueError`` if either split would be empty.
+    generator : torch.Generator, optional
+        CPU generator of the shuffle that decides the split.
 
     Returns
     -------
     train, val : TaskData
-        ``x``, ``y``, ``mask`` of shape ``[N_train, 3]`` and
-        ``[p^2 - N_train, 3]``; ``vocab_size`` is ``p + 1``.
+        ``x``, ``y``, ``mask`` of shape ``[N_split, 3]``; ``vocab_size`` is ``p + 1``.
     """
     _positive_int(p, "p", 2)
-    if not 0.0 < train_fraction < 1.0:
-        raise ValueError(f"train_fraction must lie in (0, 1), got {train_fraction!r}")
-    a, b = torch.meshgrid(torch.arange(p), torch.arange(p), indexing="ij")
-    a, b = a.reshape(-1), b.reshape(-1)  # (p^2,)
-    x = torch.stack([a, b, torch.full_like(a, p)], dim=1)  # (p^2, 3)
-    y = torch.zeros_like(x)
-    y[:, 0], y[:, 1], y[:, 2] = b, p, (a + b) % p
+    _check_generator(generator)
+    if op not in ("+", "-", "/"):
+        raise ValueError(f"op must be '+', '-' or '/', got {op!r}")
+    if op == "/" and not _is_prime(p):
+        raise ValueError(f"op='/' needs a prime p (every b != 0 invertible), got p = {p}")
+    if isinstance(train_fraction, bool) or not isinstance(train_fraction, float) or not 0.0 < train_fraction < 1.0:
+        raise ValueError(f"train_fraction must be a float in (0, 1), got {train_fraction!r}")
+    a, b = torch.meshgrid(torch.arange(p), torch.arange(1 if op == "/" else 0, p), indexing="ij")
+    a, b = a.reshape(-1), b.reshape(-1)  # (N,)
+    if op == "+":
+        c = (a + b) % p
+    elif op == "-":
+        c = (a - b) % p
+    else:
+        c = (a * torch.tensor([pow(int(v), -1, p) for v in b])) % p
+    x = torch.stack([a, b, torch.full_like(a, p)], dim=1)  # (N, 3)
+    y = torch.stack([b, torch.full_like(a, p), c], dim=1)
     mask = torch.zeros_like(x, dtype=torch.bool)
     mask[:, 2] = True
-    perm = torch.randperm(p * p, generator=_gen(seed))
-    n_train = int(round(train_fraction * p * p))
-    if not 0 < n_train < p * p:
+    N = len(a)
+    perm = torch.randperm(N, generator=generator)
+    n_train = int(round(train_fraction * N))
+    if not 0 < n_train < N:
         raise ValueError(f"train_fraction={train_fraction} leaves an empty split for p={p}")
-    full = TaskData(x, y, mask, p + 1, f"modadd(p={p})")
+    full = TaskData(x, y, mask, p + 1, f"modular(a{op}b, p={p})")
     return full.subset(perm[:n_train]), full.subset(perm[n_train:])
+
+
+def counting(n_examples: int, *, seq_len: int = 16, vocab_size: int = 8,
+             generator: torch.Generator | None = None) -> TaskData:
+    """Counting: for every token, how many tokens of its sequence share its symbol.
+
+    Every position keeps its own answer, so a collapsed, identical-row
+    representation cannot solve it, and attention must compare tokens. Every
+    position is scored; the target is the count minus one, a class in
+    ``[0, seq_len)``.
+
+    Parameters
+    ----------
+    n_examples : int
+        Number of sequences.
+    seq_len : int
+        Sequence length (also the number of classes).
+    vocab_size : int
+        Number of symbols, drawn uniformly and independently per position.
+    generator : torch.Generator, optional
+        CPU generator of the draws.
+
+    Returns
+    -------
+    TaskData
+        ``x``, ``y``, ``mask`` of shape ``[n_examples, seq_len]``, ``n_classes = seq_len``.
+    """
+    _positive_int(n_examples, "n_examples")
+    _positive_int(seq_len, "seq_len")
+    _positive_int(vocab_size, "vocab_size")
+    _check_generator(generator)
+    x = torch.randint(vocab_size, (n_examples, seq_len), generator=generator)  # (N, n)
+    y = (x.unsqueeze(-1) == x.unsqueeze(-2)).sum(-1) - 1  # (N, n)
+    return TaskData(x, y, torch.ones_like(x, dtype=torch.bool), vocab_size,
+                    f"counting(V={vocab_size},n={seq_len})", n_classes=seq_len)
 
 
 #: Standard-library modules whose docstrings make the character-LM corpus.
@@ -316,38 +444,37 @@ def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | No
     return out[0], out[1], {"chars": "".join(chars), "n_chars": len(text), "source": source}
 
 
-def make_task(name: str, seed: int = 0, **kw) -> tuple[TaskData, TaskData]:
-    """Train and validation data of a named task: ``"recall"``, ``"modadd"`` or ``"charlm"``.
-
-    ``recall`` takes ``n_train`` (default 4096), ``n_val`` (512) and the
-    keywords of :func:`associative_recall` (the validation set uses a
-    different seed); ``modadd`` the keywords of :func:`modular_addition`;
-    ``charlm`` those of :func:`char_lm`.
+def make_task(name: str, *, seed: int = 0, **kw) -> tuple[TaskData, TaskData]:
+    """Train and validation data of a named task, drawn from one seed.
 
     Parameters
     ----------
-    name : {"recall", "modadd", "charlm"}
-        The task; another name raises ``ValueError``.
+    name : {"recall", "lookup", "modular", "counting", "charlm"}
+        :func:`associative_recall`, :func:`pair_lookup`, :func:`modular_arithmetic`,
+        :func:`counting` or :func:`char_lm`; another name raises ``ValueError``.
     seed : int, default 0
-        ``recall``: the training set is drawn with seed ``2 * seed``, the
-        validation set with ``2 * seed + 1``. ``modadd``: the seed of the
-        split. ``charlm``: ignored (the task is deterministic).
+        Seeds the generator of the task's draws: for the sampled tasks the
+        training set is drawn with seed ``2 * seed`` and the validation set
+        with ``2 * seed + 1``; for ``modular`` it is the seed of the split;
+        ``charlm`` is deterministic and ignores it.
     **kw
-        Keyword arguments of the task's generator, as above.
+        Keywords of the task's generator; the sampled tasks also take
+        ``n_train`` (default 4096) and ``n_val`` (default 512).
 
     Returns
     -------
     train, val : TaskData
         ``charlm``'s ``info`` dict is dropped; call :func:`char_lm` for it.
     """
-    if name == "recall":
+    sampled = {"recall": associative_recall, "lookup": pair_lookup, "counting": counting}
+    if name in sampled:
         n_train, n_val = kw.pop("n_train", 4096), kw.pop("n_val", 512)
-        train = associative_recall(n_train, seed=2 * seed, **kw)
-        val = associative_recall(n_val, seed=2 * seed + 1, **kw)
-        return train, val
-    if name == "modadd":
-        return modular_addition(seed=seed, **kw)
+        make = sampled[name]
+        return (make(n_train, generator=torch.Generator().manual_seed(2 * seed), **kw),
+                make(n_val, generator=torch.Generator().manual_seed(2 * seed + 1), **kw))
+    if name == "modular":
+        return modular_arithmetic(generator=torch.Generator().manual_seed(seed), **kw)
     if name == "charlm":
         train, val, _ = char_lm(**kw)
         return train, val
-    raise ValueError(f"task must be one of 'recall', 'modadd', 'charlm', got {name!r}")
+    raise ValueError(f"name must be one of 'recall', 'lookup', 'modular', 'counting', 'charlm', got {name!r}")

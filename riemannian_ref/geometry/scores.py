@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
-from ._checks import as_positive, broadcast_batch, check_same, check_tensor, shape_str
+from .._checks import as_positive, broadcast_batch, check_same, check_tensor, shape_str
 
-__all__ = ["riemannian_scores", "dot_product_form", "METRIC_SIDES", "check_score_inputs"]
+__all__ = ["riemannian_scores", "dot_product_form", "METRIC_SIDES"]
 
 #: The accepted values of ``metric_side``: whose metric :math:`\bar G_{ij}` a
 #: score uses, the key's :math:`G_j`, the query's :math:`G_i` or their mean.
@@ -63,7 +62,7 @@ def _check_U(U: Tensor, name: str, x: Tensor, x_name: str) -> bool:
     )
 
 
-def check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale):
+def _check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale, names=("q", "k")):
     r"""Validate the common arguments of scores and attention; return (lam, scale, per_q, per_k).
 
     Raises ``ValueError`` naming the argument on any inconsistency.
@@ -73,13 +72,17 @@ def check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale):
     q, k : Tensor, shape [..., n_q, d] and [..., n_k, d]
         Queries and keys; batch dimensions must broadcast.
     U_q, U_k : Tensor or None, shape [..., n, d, r] (per token) or [..., d, r] (shared)
-        Metric factors of the side(s) that ``metric_side`` uses; ``None`` otherwise.
+        Metric factors of the side(s) that ``metric_side`` uses (None there
+        means no low-rank part, :math:`G = \lambda I`); None for a side it
+        does not use.
     lam : float or Tensor, shape broadcastable to ``q.shape[:-2]``
         Isotropic part :math:`\lambda > 0`.
     metric_side : {"key", "query", "mean"}
         See :data:`METRIC_SIDES`.
     scale : float or None
         Positive score scale; ``None`` means :math:`1/\sqrt d`.
+    names : (str, str)
+        How error messages call the queries and keys (the caller's argument names).
 
     Returns
     -------
@@ -89,40 +92,39 @@ def check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale):
     per_q, per_k : bool
         Whether ``U_q`` / ``U_k`` are per-token (``[..., n, d, r]``).
     """
-    q = check_tensor(q, "q", min_dim=2)
-    k = check_tensor(k, "k", min_dim=2)
-    check_same(q, "q", [("k", k)])
+    qn, kn = names
+    q = check_tensor(q, qn, min_dim=2)
+    k = check_tensor(k, kn, min_dim=2)
+    check_same(q, qn, [(kn, k)])
     if q.dim() != k.dim():
-        raise ValueError(f"q and k must have the same number of dims, got q {shape_str(q)}, k {shape_str(k)}")
+        raise ValueError(f"{qn} and {kn} must have the same number of dims, got {qn} {shape_str(q)}, "
+                         f"{kn} {shape_str(k)}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must share the head dimension d, got q {shape_str(q)}, k {shape_str(k)}")
-    broadcast_batch({"q.shape[:-2]": q.shape[:-2], "k.shape[:-2]": k.shape[:-2]})
+        raise ValueError(f"{qn} and {kn} must share the head dimension d, got {qn} {shape_str(q)}, "
+                         f"{kn} {shape_str(k)}")
+    broadcast_batch({f"{qn}.shape[:-2]": q.shape[:-2], f"{kn}.shape[:-2]": k.shape[:-2]})
     if metric_side not in METRIC_SIDES:
         raise ValueError(f"metric_side must be one of {METRIC_SIDES}, got {metric_side!r}")
     need_q = metric_side in ("query", "mean")
     need_k = metric_side in ("key", "mean")
-    if need_k and U_k is None:
-        raise ValueError(f"metric_side={metric_side!r} needs U_k (the keys' metric factors), got None")
-    if need_q and U_q is None:
-        raise ValueError(f"metric_side={metric_side!r} needs U_q (the queries' metric factors), got None")
     if not need_k and U_k is not None:
         raise ValueError(f"U_k is not used with metric_side={metric_side!r}; pass None or choose 'key'/'mean'")
     if not need_q and U_q is not None:
         raise ValueError(f"U_q is not used with metric_side={metric_side!r}; pass None or choose 'query'/'mean'")
-    per_q = _check_U(U_q, "U_q", q, "q") if need_q else False
-    per_k = _check_U(U_k, "U_k", k, "k") if need_k else False
-    if need_q and need_k and U_q.shape[-1] != U_k.shape[-1]:
+    per_q = _check_U(U_q, "U_q", q, qn) if U_q is not None else False
+    per_k = _check_U(U_k, "U_k", k, kn) if U_k is not None else False
+    if U_q is not None and U_k is not None and U_q.shape[-1] != U_k.shape[-1]:
         # allowed mathematically, but almost always a bug in the caller
         raise ValueError(
             f"U_q and U_k must have the same rank r for metric_side='mean', got "
             f"{U_q.shape[-1]} and {U_k.shape[-1]}"
         )
     lam_t = as_positive(lam, "lam", q)
-    broadcast_batch({"lam": lam_t.shape, "q.shape[:-2]": q.shape[:-2]})
+    broadcast_batch({"lam": lam_t.shape, f"{qn}.shape[:-2]": q.shape[:-2]})
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive float or None, got {scale!r}")
     return lam_t, float(scale), per_q, per_k
 
 
@@ -163,10 +165,11 @@ def riemannian_scores(q: Tensor, k: Tensor, U_q: Tensor | None = None, U_k: Tens
     k : Tensor, shape [..., n_k, d]
         Keys.
     U_q : Tensor, shape [..., n_q, d, r] or [..., d, r], optional
-        Metric factors of the queries (per token, or one shared metric).
-        Required for ``metric_side`` ``"query"`` and ``"mean"``.
+        Metric factors of the queries (per token, or one shared metric), for
+        ``metric_side`` ``"query"`` and ``"mean"``; None: no low-rank part.
     U_k : Tensor, shape [..., n_k, d, r] or [..., d, r], optional
-        Metric factors of the keys. Required for ``"key"`` and ``"mean"``.
+        Metric factors of the keys, for ``"key"`` and ``"mean"``; None: no
+        low-rank part (with no factor at all the metric is :math:`\lambda I`).
     lam : float or Tensor, shape broadcastable to ``q.shape[:-2]``
         Isotropic part :math:`\lambda > 0` (one per head, say).
     metric_side : {"key", "query", "mean"}
@@ -188,17 +191,16 @@ def riemannian_scores(q: Tensor, k: Tensor, U_q: Tensor | None = None, U_k: Tens
     square cancels terms when :math:`q_i \approx k_j`; use float64 where that
     matters.
     """
-    lam_t, scale, per_q, per_k = check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale)
+    lam_t, scale, per_q, per_k = _check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale)
     qq = (q * q).sum(-1).unsqueeze(-1)  # (..., n_q, 1)
     kk = (k * k).sum(-1).unsqueeze(-2)  # (..., 1, n_k)
     euclid = qq + kk - 2 * q @ k.transpose(-1, -2)  # |q_i - k_j|^2          (..., n_q, n_k)
     dist2 = _lam_scores(lam_t) * euclid
-    if metric_side == "key":
-        dist2 = dist2 + _lowrank_term(q, k, U_k, per_k, "key")
-    elif metric_side == "query":
-        dist2 = dist2 + _lowrank_term(q, k, U_q, per_q, "query")
-    else:
-        dist2 = dist2 + 0.5 * (_lowrank_term(q, k, U_k, per_k, "key") + _lowrank_term(q, k, U_q, per_q, "query"))
+    w = 0.5 if metric_side == "mean" else 1.0
+    if U_k is not None:
+        dist2 = dist2 + w * _lowrank_term(q, k, U_k, per_k, "key")
+    if U_q is not None:
+        dist2 = dist2 + w * _lowrank_term(q, k, U_q, per_q, "query")
     return -0.5 * scale * dist2
 
 
@@ -234,7 +236,9 @@ def dot_product_form(q: Tensor, k: Tensor, U: Tensor, *, lam=1.0, scale: float |
         ``scale * Gq @ k.T``; the result equals the Riemannian scores up to a
         per-row constant, hence gives the same softmax.
     """
-    lam_t, scale, _, per_k = check_score_inputs(q, k, None, U, lam, "key", scale)
+    if not isinstance(U, Tensor):
+        raise ValueError(f"U must be a shared metric factor [..., d, r], got {type(U).__name__}")
+    lam_t, scale, _, per_k = _check_score_inputs(q, k, None, U, lam, "key", scale)
     if per_k:
         raise ValueError(f"U must be a shared metric factor [..., d, r] (no token axis), got {shape_str(U)}")
     lam_v = lam_t.unsqueeze(-1).unsqueeze(-1) if lam_t.dim() > 0 else lam_t

@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .manifolds import FactoredLowRank, FixedRankEmbedded, FixedRankPoint, FixedRankTangent, Stiefel, sym
+from .low_rank import FactoredLowRank, FixedRankEmbedded, FixedRankPoint, FixedRankTangent
+from .manifolds import Stiefel, sym
 
 __all__ = ["StiefelAdam", "LowRankAdam"]
 

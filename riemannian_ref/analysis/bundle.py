@@ -1,0 +1,220 @@
+r"""Diagnostics of a connection on the head bundle: holonomy, transport closure, metric compatibility.
+
+The connections themselves (rotations by angles :math:`(p_i - p_j)\,\omega_j`
+on consecutive coordinate pairs) are in :mod:`riemannian_ref.attention.connections`;
+here are the measurements a reader runs on them, each returning tensors:
+
+- :func:`holonomy_defect`: :math:`\|P_{k\to i} P_{j\to k} P_{i\to j} - I\|_F`
+  over triangles of tokens, a curvature proxy (exactly 0 for the trivial and
+  flat connections);
+- :func:`torsion_defect`: the closure defect of a transported triangle;
+- :func:`metric_compatibility_defect`: how far transport is from an isometry
+  between the fibres' metrics, :math:`\|P^\top G_i P - G_j\|_F`;
+- :func:`sample_triangles`, :func:`sample_pairs`: the random index sets they
+  average over.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._checks import as_positive, broadcast_batch, check_tensor, shape_str
+from ..attention.connections import _positions, _rotate_factor, rotate_pairs
+
+__all__ = [
+    "sample_triangles",
+    "sample_pairs",
+    "holonomy_defect",
+    "torsion_defect",
+    "metric_compatibility_defect",
+]
+
+
+def sample_triangles(n: int, n_triangles: int, *, generator: torch.Generator | None = None,
+                     device=None) -> Tensor:
+    """Random triangles of three distinct positions, for :func:`holonomy_defect` and :func:`torsion_defect`.
+
+    Each row is three distinct indices drawn uniformly without replacement
+    from ``0..n-1`` (in random order); rows are independent, so a triangle
+    may repeat. The random numbers are drawn on the CPU, so a seeded
+    ``generator`` gives the same triangles on every device.
+
+    Parameters
+    ----------
+    n : int
+        Number of tokens, ``n >= 3``.
+    n_triangles : int
+        Number of triangles ``T >= 1``.
+    generator : torch.Generator, optional
+        CPU generator for reproducible draws.
+    device : torch.device or str, optional
+        Where to put the result (default: the CPU).
+
+    Returns
+    -------
+    Tensor, shape [n_triangles, 3], dtype long
+        Columns ``i, j, k``.
+    """
+    if n < 3:
+        raise ValueError(f"a triangle needs n >= 3 tokens, got n = {n}")
+    if n_triangles < 1:
+        raise ValueError(f"n_triangles must be >= 1, got {n_triangles}")
+    scores = torch.rand(n_triangles, n, generator=generator)
+    return scores.topk(3, dim=-1).indices.to(device)  # three distinct indices per row
+
+
+def sample_pairs(n: int, n_pairs: int, *, generator: torch.Generator | None = None, device=None) -> Tensor:
+    """Random ordered pairs of distinct positions, for :func:`metric_compatibility_defect`.
+
+    Each row is two distinct indices drawn uniformly without replacement
+    from ``0..n-1``; rows are independent. The random numbers are drawn on
+    the CPU, so a seeded ``generator`` gives the same pairs on every device.
+
+    Parameters
+    ----------
+    n : int
+        Number of tokens, ``n >= 2``.
+    n_pairs : int
+        Number of pairs ``T``.
+    generator : torch.Generator, optional
+        CPU generator for reproducible draws.
+    device : torch.device or str, optional
+        Where to put the result (default: the CPU).
+
+    Returns
+    -------
+    Tensor, shape [n_pairs, 2], dtype long
+        Columns ``i, j``.
+    """
+    if n < 2:
+        raise ValueError(f"a pair needs n >= 2 tokens, got n = {n}")
+    scores = torch.rand(n_pairs, n, generator=generator)
+    return scores.topk(2, dim=-1).indices.to(device)
+
+
+def _check_rates(rates: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor]:
+    rates = check_tensor(rates, "rates", min_dim=2)
+    n = rates.shape[-2]
+    return rates, _positions(positions, n, rates)
+
+
+def holonomy_defect(rates: Tensor, triangles: Tensor, positions: Tensor | None = None,
+                    reduce: bool = True) -> Tensor:
+    r"""Curvature proxy: :math:`\|P_{k\to i} P_{j\to k} P_{i\to j} - I\|_F` over triangles.
+
+    For block rotations the loop is a rotation by, per block,
+
+    .. math::
+        \phi_m &= (p_j - p_i)\omega_{i,m} + (p_k - p_j)\omega_{j,m} + (p_i - p_k)\omega_{k,m} \\
+               &= (p_j - p_i)(\omega_{i,m} - \omega_{k,m}) + (p_k - p_j)(\omega_{j,m} - \omega_{k,m}),
+
+    and :math:`\|R(\phi) - I\|_F^2 = \sum_m 8\sin^2(\phi_m/2)`. The second form
+    shows (and computes) that equal rates (trivial, flat) give exactly zero.
+
+    Parameters
+    ----------
+    rates : Tensor, shape [..., n, d/2]
+        Rates :math:`\omega_j` (:func:`connection_rates`).
+    triangles : Tensor, shape [T, 3]
+        Long indices (i, j, k) (:func:`sample_triangles`).
+    positions : Tensor, shape [n] or [..., n], optional
+    reduce : bool
+        Average over triangles (shape [...]) or return all (shape [..., T]).
+    """
+    rates, p = _check_rates(rates, positions)
+    i, j, k = triangles[:, 0], triangles[:, 1], triangles[:, 2]
+    p = p.expand(*rates.shape[:-1])
+    wi, wj, wk = rates[..., i, :], rates[..., j, :], rates[..., k, :]  # (..., T, d/2)
+    pi, pj, pk = p[..., i, None], p[..., j, None], p[..., k, None]  # (..., T, 1)
+    phi = (pj - pi) * (wi - wk) + (pk - pj) * (wj - wk)  # (..., T, d/2)
+    defect = torch.sqrt(8.0 * torch.sin(0.5 * phi).pow(2).sum(-1))  # (..., T)
+    return defect.mean(-1) if reduce else defect
+
+
+def torsion_defect(x: Tensor, rates: Tensor, triangles: Tensor, positions: Tensor | None = None,
+                   reduce: bool = True) -> Tensor:
+    r"""Torsion proxy: the closure defect of a transported triangle.
+
+    .. math::
+        \big\|(x_k - x_i) - P_{j\to i}(x_k - x_j) - (x_j - x_i)\big\|
+        = \big\|(I - P_{j\to i})(x_k - x_j)\big\|,
+
+    computed in the second form, which is exactly zero for ``P = I``.
+
+    Parameters
+    ----------
+    x : Tensor, shape [..., n, d]
+        Fibre vectors (e.g. a head's keys).
+    rates : Tensor, shape [..., n, d/2]
+    triangles : Tensor, shape [T, 3]
+    positions : Tensor, shape [n] or [..., n], optional
+    reduce : bool
+        Average over triangles (shape [...]) or not (shape [..., T]).
+    """
+    x = check_tensor(x, "x", min_dim=2)
+    rates, p = _check_rates(rates, positions)
+    if x.shape[-1] != 2 * rates.shape[-1] or x.shape[-2] != rates.shape[-2]:
+        raise ValueError(f"x must have shape [..., n, d] = [..., {rates.shape[-2]}, {2 * rates.shape[-1]}] "
+                         f"to match rates {shape_str(rates)}, got {shape_str(x)}")
+    i, j, k = triangles[:, 0], triangles[:, 1], triangles[:, 2]
+    p = p.expand(*rates.shape[:-1])
+    e = x[..., k, :] - x[..., j, :]  # (..., T, d)
+    ang = (p[..., i, None] - p[..., j, None]) * rates[..., j, :]  # angle of P_{j->i}    (..., T, d/2)
+    defect = (e - rotate_pairs(e, ang)).norm(dim=-1)  # (..., T)
+    return defect.mean(-1) if reduce else defect
+
+
+def metric_compatibility_defect(lam, U: Tensor, rates: Tensor, pairs: Tensor,
+                                positions: Tensor | None = None, reduce: bool = True) -> Tensor:
+    r"""Metric-compatibility defect :math:`\|P_{j\to i}^\top G_i P_{j\to i} - G_j\|_F` over pairs.
+
+    A connection is metric-compatible when transport is an isometry between
+    the fibres' metrics. With :math:`G = \lambda I + U U^\top`,
+    :math:`A = P^\top U_i`, :math:`B = U_j`, :math:`c = \lambda_i - \lambda_j`:
+
+    .. math::
+        \|c I + A A^\top - B B^\top\|_F^2 = d c^2 + 2c(\|A\|_F^2 - \|B\|_F^2)
+        + \|R J R^\top\|_F^2 ,
+
+    where :math:`[A, B] = Q R` (thin QR) and :math:`J = \mathrm{diag}(I_r, -I_r)`:
+    :math:`O(d r^2)` per pair, no :math:`d\times d` matrix, and no
+    cancellation when the defect is small (the expansion into Gram matrices
+    would lose half the digits).
+
+    Parameters
+    ----------
+    lam : float or Tensor, shape broadcastable to ``U.shape[:-2]`` = [..., n]
+        Per token; a per-head ``lam`` of shape [h] is passed as ``lam[:, None]``
+        (it then cancels: only the low-rank parts can disagree).
+    U : Tensor, shape [..., n, d, r]
+    rates : Tensor, shape [..., n, d/2]
+    pairs : Tensor, shape [T, 2]
+        Long indices (i, j) (:func:`sample_pairs`).
+    positions : Tensor, shape [n] or [..., n], optional
+    reduce : bool
+        Average over pairs (shape [...]) or not (shape [..., T]).
+    """
+    U = check_tensor(U, "U", min_dim=3)
+    rates, p = _check_rates(rates, positions)
+    n, d = U.shape[-3], U.shape[-2]
+    if rates.shape[-2] != n or 2 * rates.shape[-1] != d:
+        raise ValueError(f"rates must have shape [..., n, d/2] = [..., {n}, {d // 2}] to match U {shape_str(U)}, "
+                         f"got {shape_str(rates)}")
+    lam_t = as_positive(lam, "lam", U)
+    broadcast_batch({"lam": lam_t.shape, "U.shape[:-2]": U.shape[:-2]})
+    lam_tok = lam_t.expand(torch.broadcast_shapes(lam_t.shape, U.shape[:-2]))  # per token   (..., n)
+    i, j = pairs[:, 0], pairs[:, 1]
+    p = p.expand(*rates.shape[:-1])
+    ang = (p[..., i, None] - p[..., j, None]) * rates[..., j, :]  # angle of P_{j->i}   (..., T, d/2)
+    A = _rotate_factor(U[..., i, :, :], -ang)  # P^T U_i                     (..., T, d, r)
+    Bm = U[..., j, :, :]  # (..., T, d, r)
+    c = lam_tok[..., i] - lam_tok[..., j]  # (..., T)
+    # A A^T - B B^T = M J M^T with M = [A, B], J = diag(I, -I); with M = Q R its
+    # Frobenius norm is that of the 2r x 2r matrix R J R^T: no cancellation.
+    M = torch.cat([A, Bm], dim=-1)  # (..., T, d, 2r)
+    R = torch.linalg.qr(M, mode="r").R  # (..., T, min(d, 2r), 2r)
+    sign = torch.cat([torch.ones(A.shape[-1]), -torch.ones(Bm.shape[-1])]).to(M)
+    low = ((R * sign) @ R.transpose(-1, -2)).pow(2).sum((-1, -2))  # |A A^T - B B^T|_F^2   (..., T)
+    sq = d * c * c + 2 * c * (A.pow(2).sum((-1, -2)) - Bm.pow(2).sum((-1, -2))) + low
+    defect = sq.clamp_min(0).sqrt()  # (..., T)
+    return defect.mean(-1) if reduce else defect

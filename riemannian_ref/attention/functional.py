@@ -1,0 +1,211 @@
+r"""Riemannian attention, the function other code calls.
+
+:func:`riemannian_attention` has the signature of
+:func:`torch.nn.functional.scaled_dot_product_attention` plus the metric: it
+validates its inputs (errors name the argument), handles autocast and half
+precision, and dispatches to the blockwise operator (private,
+:mod:`riemannian_ref.attention._blockwise`), which never holds more than one
+tile of scores, or to the dense reference where the operator has no
+implementation (dropout). The algorithm, written to be read, is
+:func:`riemannian_ref.attention.reference.blockwise_attention`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .._checks import shape_str
+from ._blockwise import _RiemannianAttentionFn, block_sizes_for
+from ._validate import check_attention_inputs
+from .reference import riemannian_attention_reference
+
+__all__ = ["riemannian_attention"]
+
+
+@torch.compiler.disable
+def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, *,
+                         U_q: Tensor | None = None, U_k: Tensor | None = None, lam=1.0,
+                         metric_side: str = "key", enable_gqa: bool = False,
+                         block_sizes: tuple[int, int] | None = None) -> Tensor:
+    r"""Riemannian attention with the call signature of ``scaled_dot_product_attention``.
+
+    Computes :math:`\mathrm{softmax}(S + M)\,V` with the Riemannian scores
+    :math:`s_{ij} = -\tfrac{\text{scale}}{2}(q_i-k_j)^\top \bar G_{ij}(q_i-k_j)`
+    of :func:`riemannian_ref.geometry.scores.riemannian_scores`, blockwise: the
+    score matrix and the pairwise rank products are never formed whole. Any
+    call that works with ``scaled_dot_product_attention`` (positional or by
+    keyword) works unchanged; with no metric factors it is distance attention
+    with :math:`G = \lambda I`.
+
+    Parameters
+    ----------
+    query : Tensor, shape [..., n_q, d]
+    key : Tensor, shape [..., n_k, d]
+    value : Tensor, shape [..., n_k, d_v]
+    attn_mask : Tensor, optional
+        Boolean (``True`` = may attend) or additive float mask of the query's
+        dtype, broadcastable to ``[..., n_q, n_k]`` without enlarging the
+        batch. A float mask that requires grad gets its gradient (a learned
+        bias trains), as with SDPA.
+    dropout_p : float
+        Dropout on the attention weights. ``dropout_p > 0`` runs the dense
+        :func:`~riemannian_ref.attention.reference.riemannian_attention_reference`
+        (memory :math:`O(n^2 r)`): the blockwise kernel has no dropout. Pass 0
+        in evaluation.
+    is_causal : bool
+        Top-left aligned causal mask (key ``j`` visible to query ``i`` iff
+        ``j <= i``), as ``scaled_dot_product_attention``; unlike SDPA it may be
+        combined with ``attn_mask`` (both apply).
+    scale : float, optional
+        :math:`1/\tau`, default :math:`1/\sqrt d`.
+    U_q : Tensor, shape [..., n_q, d, r] or [..., d, r], optional
+        Query metric factors (per token, or one shared metric); for
+        ``metric_side`` ``"query"`` and ``"mean"``.
+    U_k : Tensor, shape [..., n_k, d, r] or [..., d, r], optional
+        Key metric factors; for ``"key"`` and ``"mean"``. ``None`` with
+        ``metric_side="key"`` means :math:`G = \lambda I`.
+    lam : float or Tensor, shape broadcastable to the batch
+        Isotropic part :math:`\lambda > 0` (e.g. per head, ``[h]`` for inputs
+        ``[B, h, n, d]``).
+    metric_side : {"key", "query", "mean"}
+        Whose metric measures a pair: :math:`G_j`, :math:`G_i` or
+        :math:`(G_i + G_j)/2`.
+    enable_gqa : bool
+        Grouped-query attention, as SDPA: ``key``, ``value`` (and ``U_k``) may
+        have fewer heads (dimension -3) than ``query``, a divisor of its heads.
+    block_sizes : (int, int), optional
+        Query and key block sizes of the tiles; default: a rule measured on
+        CPU that keeps a tile near 512 KiB.
+
+    Returns
+    -------
+    Tensor, shape [..., n_q, d_v]
+        Rows whose keys are all masked give 0, with zero gradients (no NaN).
+
+    Notes
+    -----
+    Cost: the scores of a ``(query block, key block)`` tile are one matrix
+    product of width ``(1 + r) * bk`` (plus a second one of ``r * bq`` rows for
+    the query side of ``"mean"``/``"query"``), so score FLOPs are ``1 + r``
+    times those of :math:`QK^\top` (``1 + 2r`` for ``"mean"``). Shared metrics
+    cost nothing pairwise: they fold into :math:`M`. Memory beyond the output
+    and the gradients: the row log-sum-exp and one tile of ``bq * bk * (1 + r)``
+    numbers per batch element (plus one stacked key block), in forward and
+    backward; nothing of size ``n_q * n_k`` is stored.
+
+    Precision: float32 and float64 run natively. Under ``torch.autocast``
+    (and for float16/bfloat16 inputs) the operator upcasts to float32, computes
+    there and returns float32 under autocast (the input dtype otherwise): the
+    expanded distance cancels terms of size :math:`|q|^2` and bfloat16's
+    8-bit mantissa would leave no correct digit in the differences.
+
+    ``torch.compile``: the operator is excluded from tracing
+    (``torch.compiler.disable``), so a compiled model graph-breaks around it
+    and runs it eagerly (``fullgraph=True`` is therefore not possible).
+
+    Dropout: ``dropout_p > 0`` takes the dense reference path (see above);
+    SDPA-style, dropout is applied whenever ``dropout_p > 0``, so pass
+    ``dropout_p=0`` in evaluation (:class:`~riemannian_ref.attention.layer.RiemannianAttention`
+    does).
+
+    Double backward (``create_graph=True``) is not supported by the blockwise
+    operator and raises a ``RuntimeError`` that says so; the dense reference
+    supports it.
+    """
+    dev = query.device.type if isinstance(query, Tensor) else "cpu"
+    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
+        # inputs may come in mixed precisions: compute in float32, return float32
+        with torch.autocast(dev, enabled=False):
+            return riemannian_attention(*_f32(query, key, value, attn_mask), dropout_p, is_causal, scale,
+                                        U_q=_f32(U_q), U_k=_f32(U_k), lam=_f32(lam), metric_side=metric_side,
+                                        enable_gqa=enable_gqa, block_sizes=block_sizes)
+    if enable_gqa:
+        key, value, U_k = _repeat_kv(query, key, value, U_k)
+    lam_t, scale, per_q, per_k, batch = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal,
+                                                               scale, U_q, U_k, lam, metric_side)
+    blocks = _check_block_sizes(block_sizes) if block_sizes is not None else None
+    n_q, n_k = query.shape[-2], key.shape[-2]
+    if dropout_p > 0.0 or n_q == 0 or math.prod(batch) == 0:  # dropout, or nothing to compute
+        return riemannian_attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                              U_q=U_q, U_k=U_k, lam=lam_t, metric_side=metric_side)
+    if query.dtype in (torch.float16, torch.bfloat16):  # half inputs: compute in float32, return their dtype
+        out = riemannian_attention(*_f32(query, key, value, attn_mask), 0.0, is_causal, scale, U_q=_f32(U_q),
+                                   U_k=_f32(U_k), lam=_f32(lam_t), metric_side=metric_side, block_sizes=blocks)
+        return out.to(query.dtype)
+
+    # Sort the metric parts: shared ones join M (free), per-token ones give squared terms.
+    w = 0.5 if metric_side == "mean" else 1.0
+    shared, Uk_tok, Uq_tok = [], None, None
+    if U_k is not None and U_k.shape[-1] > 0:
+        if per_k:
+            Uk_tok = U_k
+        else:
+            shared.append(U_k)
+    if U_q is not None and U_q.shape[-1] > 0:
+        if per_q:
+            Uq_tok = U_q
+        else:
+            shared.append(U_q)
+    qf, kf, vf = _flat(query, batch, 2), _flat(key, batch, 2), _flat(value, batch, 2)
+    lamf = lam_t.expand(batch).reshape(-1)
+    W = None
+    if shared:
+        W = torch.cat([_flat(U, batch, 2) for U in shared], -1)
+        if w != 1.0:
+            W = W * math.sqrt(w)
+    Ukf = _flat(Uk_tok, batch, 3) if Uk_tok is not None else None
+    Uqf = _flat(Uq_tok, batch, 3) if Uq_tok is not None else None
+    c = math.sqrt(scale * w / 2.0)
+    rk = Ukf.shape[-1] if Ukf is not None else 0
+    rq = Uqf.shape[-1] if Uqf is not None else 0
+    if blocks is None:
+        blocks = block_sizes_for(n_q, n_k, 1 + rk + rq)
+    # the mask keeps its own batch shape (a key-padding mask [B, 1, 1, n_k] stays O(B n_k))
+    out = _RiemannianAttentionFn.apply(qf.contiguous(), kf.contiguous(), vf.contiguous(), lamf, W,
+                                       Ukf.contiguous() if Ukf is not None else None,
+                                       Uqf.contiguous() if Uqf is not None else None,
+                                       attn_mask, is_causal, scale, c, c, blocks, tuple(batch))
+    return out.view(*batch, n_q, value.shape[-1])
+
+
+def _f32(*ts):
+    """Floating tensors in float32 (others, and None, unchanged); one argument gives one result."""
+    out = tuple(t.float() if isinstance(t, Tensor) and t.is_floating_point() else t for t in ts)
+    return out[0] if len(ts) == 1 else out
+
+
+def _repeat_kv(query: Tensor, key: Tensor, value: Tensor, U_k: Tensor | None):
+    """Grouped-query attention: repeat the key/value heads (dimension -3) to the query heads."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor) or t.dim() < 3:
+            raise ValueError(f"enable_gqa=True needs {name} of shape [..., heads, n, d], got "
+                             f"{shape_str(t) if isinstance(t, Tensor) else type(t).__name__}")
+    hq, hk = query.shape[-3], key.shape[-3]
+    if value.shape[-3] != hk or hq % hk:
+        raise ValueError(f"enable_gqa=True needs key and value with the same number of heads, dividing the "
+                         f"query heads {hq}; got key {shape_str(key)}, value {shape_str(value)}")
+    g = hq // hk
+    if g == 1:
+        return key, value, U_k
+    if U_k is not None:
+        dim = -4 if U_k.dim() == key.dim() + 1 else -3  # per-token [..., h, n, d, r] or shared [..., h, d, r]
+        if U_k.shape[dim] == hk:
+            U_k = U_k.repeat_interleave(g, dim=dim)
+    return key.repeat_interleave(g, dim=-3), value.repeat_interleave(g, dim=-3), U_k
+
+
+def _check_block_sizes(block_sizes) -> tuple[int, int]:
+    ok = isinstance(block_sizes, (tuple, list)) and len(block_sizes) == 2 and all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block_sizes)
+    if not ok:
+        raise ValueError(f"block_sizes must be a pair of positive ints (bq, bk), got {block_sizes!r}")
+    return int(block_sizes[0]), int(block_sizes[1])
+
+
+def _flat(x: Tensor, batch: torch.Size, tail: int) -> Tensor:
+    """Broadcast the batch dims of ``x`` to ``batch`` and flatten them: (prod(batch), *tail)."""
+    t = x.shape[x.dim() - tail:]
+    return x.expand(*batch, *t).reshape(math.prod(batch), *t)

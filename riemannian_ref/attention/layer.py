@@ -1,0 +1,449 @@
+r"""The package's one attention module: multi-head attention with metrics and a connection.
+
+Every model in the package builds its attention from :class:`RiemannianAttention`
+(the Fiber Bundle Transformer in every mode and preset, the rank-collapse
+stacks, the recall head). For head :math:`h`, with per-head frames
+:math:`W_Q^h, W_K^h \in \mathbb{R}^{D\times d}`,
+
+.. math::
+    q_i = W_Q^{h\top} x_i,\quad k_j = W_K^{h\top} y_j,\quad v_j = W_V^h y_j,
+    \qquad o_i = \sum_j \mathrm{softmax}_j(s_{ij})\, P_{j\to i} v_j ,
+
+(``y = x`` for self-attention) with scores :math:`s_{ij}` either the scaled
+dot product (``scores="dot"``) or the Riemannian distance score
+:math:`-\tfrac{1}{2\tau}(q_i - P k_j)^\top \bar G_{ij} (q_i - P k_j)`
+(``scores="metric"``) whose metrics :math:`G = \lambda I + U U^\top` come from
+one :class:`~riemannian_ref.geometry.metric.MetricNet` (per token, or one
+shared metric per head), and :math:`P_{j\to i}` the transport of a connection
+(:mod:`riemannian_ref.attention.connections`; the identity by default).
+
+The query/key maps are stored as frames of shape ``[h, D, d]`` so that a
+Stiefel optimiser (:class:`~riemannian_ref.optim.adam.StiefelAdam`) can keep
+each head's frame orthonormal (:meth:`RiemannianAttention.qk_frames`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .._checks import check_tensor, shape_str
+from ..geometry.metric import LAM_MIN, MetricNet, raw_from_lam
+from ..geometry.scores import METRIC_SIDES, riemannian_scores
+from .connections import CONNECTIONS, connection_attention, rotary_frequencies
+
+__all__ = ["AttentionConfig", "RiemannianAttention"]
+
+SCORES = ("metric", "dot")
+METRICS = ("token", "shared")
+QK_INITS = ("normal", "orthonormal")
+
+
+def _pos_int(v, name: str, minimum: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+
+
+def _number(v, name: str, *, low: float | None = None, low_open: bool = False, high: float | None = None,
+            high_open: bool = False) -> None:
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    if ok and low is not None:
+        ok = v > low if low_open else v >= low
+    if ok and high is not None:
+        ok = v < high if high_open else v <= high
+    if not ok:
+        lo = "" if low is None else f"{'(' if low_open else '['}{low:g}, "
+        hi = "inf)" if high is None else f"{high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be a finite number in {lo or '(-inf, '}{hi}, got {v!r}")
+
+
+def _choice(v, name: str, choices: tuple) -> None:
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    r"""Configuration of :class:`RiemannianAttention` (frozen; validated on construction).
+
+    Parameters
+    ----------
+    d_model : int, default 64
+        Width :math:`D` of the (query-side) token states and of the output.
+    n_heads : int, default 4
+        Number of heads :math:`h`.
+    head_dim : int or None, default None
+        Query/key dimension :math:`d` per head; None: ``d_model // n_heads``
+        (then ``d_model`` must be divisible by ``n_heads``).
+    v_head_dim : int or None, default None
+        Value dimension per head; None: ``head_dim``.
+    kv_dim : int or None, default None
+        Width of the key/value states; None: ``d_model``.
+    cross_attention : bool, default False
+        Queries and keys come from different sequences (``forward(x, context)``):
+        a query's metric then needs its own metric network.
+    scores : {"metric", "dot"}, default "metric"
+        Riemannian distance scores or scaled dot products.
+    metric : {"token", "shared"}, default "token"
+        Per-token metrics computed from the states, or one learned metric
+        per head (``scores="metric"`` only).
+    metric_side : {"key", "query", "mean"}, default "key"
+        Whose metric measures a pair.
+    rank : int, default 2
+        Metric rank :math:`r \ge 0`; 0 gives :math:`G = \lambda I`.
+    strength : float, default 1.0
+        Heterogeneity of the metrics at init (:class:`~riemannian_ref.geometry.metric.MetricNet`).
+    lam_init, lam_min : float, default 1.0 and ``LAM_MIN``
+        Initial :math:`\lambda` and its floor.
+    learn_temperature : bool, default False
+        A learned per-head factor on :math:`1/\tau` (1 at init), folded into the metric.
+    connection : {"trivial", "flat", "content"}, default "trivial"
+        Transport of keys and values (self-attention only).
+    rotary_base : float, default 10000.0
+        Base of the rotary rates :math:`\theta_m = \text{base}^{-2m/d}`.
+    content_rate_std : float, default 0.5
+        ``"content"``: rates :math:`\omega_j = 2\theta\,\mathrm{sigmoid}(W x_j)`
+        with :math:`W` of init std ``content_rate_std / sqrt(D)`` (0: starts flat).
+    transport_values : bool, default True
+        Transport the values along the connection too (False with ``"flat"``
+        and ``scores="dot"`` is rotary position embedding exactly).
+    causal : bool, default False
+        Default of ``is_causal`` in :meth:`RiemannianAttention.forward`.
+    bias : bool, default False
+        Biases in the value and output projections.
+    dropout : float, default 0.0
+        Dropout on the attention weights in training mode, in ``[0, 1)``.
+    init_std : float or None, default None
+        Std of the query/key frames and the value projection at init; None:
+        :math:`1/\sqrt{\text{fan-in}}` (unit-variance states give unit-variance
+        queries, keys and values).
+    out_init_std : float or None, default None
+        Std of the output projection at init; None: :math:`1/\sqrt{h d_v}`.
+    qk_init : {"normal", "orthonormal"}, default "normal"
+        Gaussian frames, or frames with orthonormal columns (QR of a Gaussian).
+    qk_gain : float, default 1.0
+        Multiplies the query/key frames at init, so dot scores scale by ``qk_gain**2``.
+    """
+
+    d_model: int = 64                # D, width of the query-side states and of the output
+    n_heads: int = 4                 # h
+    head_dim: int | None = None      # d per head (None: d_model // n_heads)
+    v_head_dim: int | None = None    # value dim per head (None: head_dim)
+    kv_dim: int | None = None        # width of the key/value states (None: d_model)
+    cross_attention: bool = False    # forward(x, context): queries and keys from different sequences
+    scores: str = "metric"           # "metric" (Riemannian distance) or "dot" (scaled dot product)
+    metric: str = "token"            # "token" (per-token, from the states) or "shared" (one per head)
+    metric_side: str = "key"         # "key" | "query" | "mean": whose metric measures a pair
+    rank: int = 2                    # r; 0 gives G = lam I
+    strength: float = 1.0            # heterogeneity of the metrics at init
+    lam_init: float = 1.0            # initial lambda
+    lam_min: float = LAM_MIN         # floor of lambda
+    learn_temperature: bool = False  # learned per-head factor on 1/tau
+    connection: str = "trivial"      # "trivial" | "flat" | "content"
+    rotary_base: float = 10000.0     # rotary rates theta_m = base^(-2m/d)
+    content_rate_std: float = 0.5    # init std of the content modulation of the rates (0: starts flat)
+    transport_values: bool = True    # values transported along the connection too
+    causal: bool = False             # default is_causal
+    bias: bool = False               # biases in the value and output projections
+    dropout: float = 0.0             # on the attention weights, training mode only
+    init_std: float | None = None    # frames and value projection (None: 1/sqrt(fan_in))
+    out_init_std: float | None = None  # output projection (None: 1/sqrt(h * v_head_dim))
+    qk_init: str = "normal"          # "normal" or "orthonormal" frames
+    qk_gain: float = 1.0             # multiplies the frames at init
+
+    def __post_init__(self):
+        _pos_int(self.d_model, "d_model")
+        _pos_int(self.n_heads, "n_heads")
+        for name in ("head_dim", "v_head_dim", "kv_dim"):
+            if getattr(self, name) is not None:
+                _pos_int(getattr(self, name), name)
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}), "
+                             "or give head_dim")
+        _choice(self.scores, "scores", SCORES)
+        _choice(self.metric, "metric", METRICS)
+        _choice(self.metric_side, "metric_side", METRIC_SIDES)
+        _choice(self.connection, "connection", CONNECTIONS)
+        _choice(self.qk_init, "qk_init", QK_INITS)
+        _pos_int(self.rank, "rank", 0)
+        _number(self.strength, "strength", low=0.0)
+        raw_from_lam(self.lam_init, self.lam_min)  # lam_init > lam_min > 0, finite
+        _number(self.rotary_base, "rotary_base", low=1.0, low_open=True)
+        _number(self.content_rate_std, "content_rate_std", low=0.0)
+        _number(self.dropout, "dropout", low=0.0, high=1.0, high_open=True)
+        _number(self.qk_gain, "qk_gain", low=0.0, low_open=True)
+        for name in ("init_std", "out_init_std"):
+            if getattr(self, name) is not None:
+                _number(getattr(self, name), name, low=0.0, low_open=True)
+        if self.connection != "trivial":
+            if self.cross_attention:
+                raise ValueError(f"connection={self.connection!r} transports between positions of one "
+                                 "sequence: it needs cross_attention=False")
+            if self.qk_dim % 2:
+                raise ValueError(f"connection={self.connection!r} rotates pairs of coordinates: head_dim must "
+                                 f"be even, got {self.qk_dim}")
+            if self.transport_values and self.v_dim != self.qk_dim:
+                raise ValueError(f"transported values need v_head_dim == head_dim, got {self.v_dim} and "
+                                 f"{self.qk_dim} (or transport_values=False)")
+        if self.qk_init == "orthonormal" and self.qk_dim > min(self.d_model, self.kv_width):
+            raise ValueError(f"orthonormal frames need head_dim <= d_model, got head_dim {self.qk_dim}")
+        for name in ("cross_attention", "learn_temperature", "transport_values", "causal", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def qk_dim(self) -> int:
+        """Query/key dimension :math:`d` per head."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def v_dim(self) -> int:
+        """Value dimension per head."""
+        return self.v_head_dim if self.v_head_dim is not None else self.qk_dim
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the key/value states."""
+        return self.kv_dim if self.kv_dim is not None else self.d_model
+
+    def replace(self, **changes) -> "AttentionConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+class RiemannianAttention(nn.Module):
+    r"""Multi-head attention with dot-product or Riemannian scores and an optional connection.
+
+    Parameters
+    ----------
+    config : AttentionConfig
+
+    Notes
+    -----
+    ``forward`` returns ``(output, weights)`` like :class:`torch.nn.MultiheadAttention`;
+    ``weights`` is None unless ``return_weights=True`` (which computes them
+    densely). Masks follow one convention: ``True`` means *may attend*, for
+    ``attn_mask`` (as SDPA) and for ``key_mask`` (one flag per key: ``True``
+    for a real token, ``False`` for padding), which reaches the operator as a
+    per-key vector, so memory stays :math:`O(n)`.
+    """
+
+    def __init__(self, config: AttentionConfig):
+        super().__init__()
+        if not isinstance(config, AttentionConfig):
+            raise ValueError(f"config must be an AttentionConfig, got {type(config).__name__}")
+        self.config = cfg = config
+        D, Dkv, h, d, dv = cfg.d_model, cfg.kv_width, cfg.n_heads, cfg.qk_dim, cfg.v_dim
+        self.w_q = nn.Parameter(torch.empty(h, D, d))    # h frames [D, d]
+        self.w_k = nn.Parameter(torch.empty(h, Dkv, d))  # h frames [D_kv, d]
+        self.v_proj = nn.Linear(Dkv, h * dv, bias=cfg.bias)
+        self.out_proj = nn.Linear(h * dv, D, bias=cfg.bias)
+        self.metric = self.metric_q = None
+        if cfg.scores == "metric":
+            kw = dict(lam_init=cfg.lam_init, lam_min=cfg.lam_min, strength=cfg.strength,
+                      shared=cfg.metric == "shared")
+            # one metric field: a token's metric is the same whether it queries or is queried;
+            # in cross-attention the queries' states need a network of their own
+            self.metric = MetricNet(Dkv, h, d, cfg.rank, **kw)
+            if cfg.cross_attention and cfg.metric_side in ("query", "mean"):
+                self.metric_q = MetricNet(D, h, d, cfg.rank, **kw)
+        self.log_temp = nn.Parameter(torch.zeros(h)) if cfg.learn_temperature else None
+        self.rates = None
+        if cfg.connection == "content":
+            self.rates = nn.Linear(D, h * (d // 2), bias=False)  # omega_j = 2 theta sigmoid(W x_j)
+        if cfg.connection in ("flat", "content"):
+            self.register_buffer("theta", rotary_frequencies(d, cfg.rotary_base), persistent=False)
+        else:
+            self.theta = None
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise the projections as the config says (the metric networks initialise themselves)."""
+        cfg = self.config
+        for w, fan_in in ((self.w_q, cfg.d_model), (self.w_k, cfg.kv_width)):
+            if cfg.qk_init == "orthonormal":
+                Q, R = torch.linalg.qr(torch.randn_like(w))  # (h, D, d): orthonormal columns, Haar
+                w.copy_(Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2))
+            else:
+                w.normal_(0.0, cfg.init_std if cfg.init_std is not None else fan_in ** -0.5)
+            w.mul_(cfg.qk_gain)
+        self.v_proj.weight.normal_(0.0, cfg.init_std if cfg.init_std is not None else cfg.kv_width ** -0.5)
+        out_std = cfg.out_init_std if cfg.out_init_std is not None else (cfg.n_heads * cfg.v_dim) ** -0.5
+        self.out_proj.weight.normal_(0.0, out_std)
+        for lin in (self.v_proj, self.out_proj):
+            if lin.bias is not None:
+                lin.bias.zero_()
+        if self.rates is not None:
+            self.rates.weight.normal_(0.0, cfg.content_rate_std / math.sqrt(cfg.d_model))
+
+    def qk_frames(self) -> list[nn.Parameter]:
+        """The query and key frames ``[W_Q, W_K]``, each of shape [h, D, d] (a Stiefel param group)."""
+        return [self.w_q, self.w_k]
+
+    # ------------------------------------------------------------------ pieces
+    def project(self, x: Tensor, context: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys and values, each [B, h, n, d] (values [B, h, n_k, d_v]).
+
+        Parameters
+        ----------
+        x : Tensor, shape [B, n_q, D]
+            Query-side states (and key/value states for self-attention).
+        context : Tensor, shape [B, n_k, D_kv], optional
+            Key/value states for cross-attention.
+
+        Returns
+        -------
+        (q, k, v) : tuple of Tensor
+        """
+        y = x if context is None else context
+        B, n_k, _ = y.shape
+        q = torch.einsum("bnD,hDd->bhnd", x, self.w_q)  # (B, h, n_q, d)
+        k = torch.einsum("bnD,hDd->bhnd", y, self.w_k)  # (B, h, n_k, d)
+        v = self.v_proj(y).view(B, n_k, self.config.n_heads, self.config.v_dim).transpose(1, 2)  # (B, h, n_k, dv)
+        return q, k, v
+
+    def geometry(self, x: Tensor, context: Tensor | None = None):
+        """The metric and connection of every head: ``(lam, U_q, U_k, rates)``.
+
+        Parameters
+        ----------
+        x : Tensor, shape [B, n_q, D]
+        context : Tensor, shape [B, n_k, D_kv], optional
+
+        Returns
+        -------
+        lam : Tensor, shape [h], or None for ``scores="dot"``
+        U_q, U_k : Tensor or None
+            ``[B, h, n, d, r]`` per token or ``[h, d, r]`` shared, each None
+            when ``metric_side`` does not use it. The learned temperature is
+            folded in.
+        rates : Tensor or None
+            ``"flat"``: [d/2]; ``"content"``: [B, h, n, d/2]; else None.
+        """
+        cfg = self.config
+        rates = None
+        if cfg.connection == "flat":
+            rates = self.theta.to(x.dtype)
+        elif cfg.connection == "content":
+            B, n, _ = x.shape
+            s = self.rates(x).view(B, n, cfg.n_heads, cfg.qk_dim // 2).transpose(1, 2)  # (B, h, n, d/2)
+            rates = self.theta.to(x.dtype) * 2.0 * torch.sigmoid(s)
+        if self.metric is None:
+            return None, None, None, rates
+        y = x if context is None else context
+        lam, U_k = self.metric(y)  # (h,), (B, h, n_k, d, r) or (h, d, r)
+        U_q = U_k
+        if context is not None and self.metric_q is not None:
+            lam_q, U_q = self.metric_q(x)
+            if cfg.metric_side == "mean":  # (G_i + G_j) / 2 has isotropic part (lam_q + lam_k) / 2
+                lam = 0.5 * (lam + lam_q)
+            else:
+                lam = lam_q
+        U_q = U_q if cfg.metric_side in ("query", "mean") else None
+        U_k = U_k if cfg.metric_side in ("key", "mean") else None
+        if self.log_temp is not None:
+            t = self.log_temp.exp().to(x.dtype)  # (h,)
+            lam = lam * t
+            U_q = _scale_factor(U_q, t.sqrt())
+            U_k = _scale_factor(U_k, t.sqrt())
+        return lam, U_q, U_k, rates
+
+    def scores(self, x: Tensor) -> Tensor:
+        """Pre-softmax scores of self-attention without mask or transport, [B, h, n, n] (for analysis).
+
+        Parameters
+        ----------
+        x : Tensor, shape [B, n, D]
+
+        Returns
+        -------
+        Tensor, shape [B, h, n, n]
+        """
+        q, k, _ = self.project(x)
+        lam, U_q, U_k, _ = self.geometry(x)
+        if lam is None:
+            return q @ k.transpose(-1, -2) / math.sqrt(self.config.qk_dim)
+        return riemannian_scores(q, k, U_q, U_k, lam=lam, metric_side=self.config.metric_side)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: Tensor, context: Tensor | None = None, *, attn_mask: Tensor | None = None,
+                key_mask: Tensor | None = None, is_causal: bool | None = None, positions: Tensor | None = None,
+                return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Attend from the states ``x`` to themselves, or to ``context``.
+
+        Parameters
+        ----------
+        x : Tensor, shape [B, n_q, D]
+        context : Tensor, shape [B, n_k, D_kv], optional
+            Key/value states (``cross_attention=True`` configs only).
+        attn_mask : Tensor, optional
+            Boolean (``True`` = may attend) or additive float mask,
+            broadcastable to ``[B, h, n_q, n_k]``.
+        key_mask : Tensor, shape [B, n_k], bool, optional
+            ``True`` for keys that may be attended (real tokens), ``False``
+            for padding.
+        is_causal : bool, optional
+            Causal mask; default ``config.causal``.
+        positions : Tensor, shape [n] or [B, 1, n], optional
+            Token positions of the connection (default ``0..n-1``).
+        return_weights : bool
+            Also return the attention weights [B, h, n_q, n_k] (dense).
+
+        Returns
+        -------
+        out : Tensor, shape [B, n_q, D]
+        weights : Tensor, shape [B, h, n_q, n_k], or None
+        """
+        cfg = self.config
+        x = check_tensor(x, "x", min_dim=3)
+        if x.dim() != 3 or x.shape[-1] != cfg.d_model:
+            raise ValueError(f"x must have shape [B, n, {cfg.d_model}], got {shape_str(x)}")
+        if context is not None:
+            if not cfg.cross_attention:
+                raise ValueError("context is given but the config has cross_attention=False")
+            context = check_tensor(context, "context", min_dim=3)
+            if context.dim() != 3 or context.shape[0] != x.shape[0] or context.shape[-1] != cfg.kv_width:
+                raise ValueError(f"context must have shape [{x.shape[0]}, n_k, {cfg.kv_width}], "
+                                 f"got {shape_str(context)}")
+        elif cfg.cross_attention:
+            raise ValueError("this module is configured for cross-attention: pass context")
+        is_causal = cfg.causal if is_causal is None else is_causal
+        B, n_q, _ = x.shape
+        n_k = n_q if context is None else context.shape[1]
+        mask = _combine_masks(attn_mask, key_mask, B, n_k)
+        q, k, v = self.project(x, context)
+        lam, U_q, U_k, rates = self.geometry(x, context)
+        p = cfg.dropout if self.training else 0.0
+        res = connection_attention(
+            q, k, v, mask, p, is_causal, None, U_q=U_q, U_k=U_k, lam=lam if lam is not None else 1.0,
+            metric_side=cfg.metric_side, scores=cfg.scores, connection=cfg.connection, rates=rates,
+            positions=positions, transport_values=cfg.transport_values, return_weights=return_weights)
+        o, A = res if return_weights else (res, None)
+        out = self.out_proj(o.transpose(1, 2).reshape(B, n_q, cfg.n_heads * cfg.v_dim))  # (B, n_q, D)
+        return out, A
+
+
+def _scale_factor(U: Tensor | None, s: Tensor) -> Tensor | None:
+    """Multiply a per-head factor ([B, h, n, d, r] or [h, d, r]) by s [h]."""
+    if U is None:
+        return None
+    return U * (s.view(-1, 1, 1, 1) if U.dim() == 5 else s.view(-1, 1, 1))
+
+
+def _combine_masks(attn_mask: Tensor | None, key_mask: Tensor | None, B: int, n_k: int) -> Tensor | None:
+    """``attn_mask`` and a per-key ``key_mask`` [B, n_k] as one mask; the key mask stays [B, 1, 1, n_k]."""
+    if key_mask is None:
+        return attn_mask
+    if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, n_k):
+        got = f"{key_mask.dtype} {shape_str(key_mask)}" if isinstance(key_mask, Tensor) else type(key_mask).__name__
+        raise ValueError(f"key_mask must be a bool tensor [B, n_k] = [{B}, {n_k}] (True = may attend), got {got}")
+    keep = key_mask.view(B, 1, 1, n_k)  # (B, 1, 1, n_k): O(n) memory, broadcast by the operator
+    if attn_mask is None:
+        return keep
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & keep
+    return attn_mask.masked_fill(~keep, float("-inf"))

@@ -1,0 +1,15 @@
+"""Models built from the one attention module: the Fiber Bundle Transformer (and its presets), a recall head, budgets.
+
+- :mod:`~riemannian_ref.models.transformer`: :class:`FiberBundleConfig`,
+  :class:`FiberBundleTransformer`.
+- :mod:`~riemannian_ref.models.heads`: :class:`RecallHead`.
+- :mod:`~riemannian_ref.models.budget`: parameter and FLOP counts, width matching.
+"""
+from .budget import *  # noqa: F401,F403
+from .budget import __all__ as _budget
+from .heads import *  # noqa: F401,F403
+from .heads import __all__ as _heads
+from .transformer import *  # noqa: F401,F403
+from .transformer import __all__ as _transformer
+
+__all__ = [*_transformer, *_heads, *_budget]

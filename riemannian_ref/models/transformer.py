@@ -1,0 +1,719 @@
+r"""The Fiber Bundle Transformer: the package's one Transformer, with presets for every model the book trains.
+
+One :class:`FiberBundleConfig` describes the model; its ``mode`` chooses the
+attention scores and the defaults of the fibre-bundle components, each of
+which is also a field of its own:
+
+- ``"euclidean"``: scaled dot-product attention (SDPA), a plain feed-forward
+  network, learned absolute positions. The baseline.
+- ``"riemannian"``: the scores become metric distances,
+  :math:`s_{ij} = -\tfrac{1}{2\tau}(q_i - k_j)^\top \bar G_{ij} (q_i - k_j)`,
+  with per-token, per-head metrics :math:`G_i = \lambda I + U_i U_i^\top`.
+  Everything else as ``"euclidean"``.
+- ``"fiber_bundle"``: Riemannian scores, and by default a ``"content"``
+  connection that transports keys, key metrics and values to the query's
+  fibre (positions then come from the connection, not from a learned table),
+  and the metric-preconditioned feed-forward step
+  :math:`x \leftarrow x + \eta\,G_x^{-1}\mathrm{FFN}(\mathrm{LN}(x))` with
+  :math:`G_x = \lambda I_D + U_x U_x^\top` (Woodbury, :math:`O(D r)`).
+  ``connection``, ``precondition_ffn`` and ``learned_positions`` override
+  each default, so each component can be switched alone.
+
+The block is pre-norm and residual by default; ``skip``, ``mlp`` and
+``layer_norm`` switch those parts off, which gives the pure self-attention
+networks of Dong, Cordonnier and Loukas (2021) and their variants
+(:meth:`FiberBundleConfig.attention_stack`). With ``vocab_size=None`` the model
+reads embeddings (``forward(embeds=...)``) and has no head.
+
+Every attention is a :class:`~riemannian_ref.attention.layer.RiemannianAttention`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._checks import check_tensor, shape_str
+from ..attention.connections import CONNECTIONS
+from ..attention.layer import AttentionConfig, RiemannianAttention, _choice, _number, _pos_int
+from ..geometry.metric import LowRankMetric, MetricNet, raw_from_lam
+from ..geometry.scores import METRIC_SIDES
+
+__all__ = ["MODES", "FiberBundleConfig", "FiberBundleOutput", "FiberBundleTransformer"]
+
+#: The accepted values of ``FiberBundleConfig.mode``.
+MODES = ("euclidean", "riemannian", "fiber_bundle")
+INITS = ("gpt2", "unit")
+ACTIVATIONS = ("gelu", "relu")
+
+
+@dataclass(frozen=True)
+class FiberBundleConfig:
+    r"""Configuration of :class:`FiberBundleTransformer` (frozen; validated on construction).
+
+    A bad value raises ``ValueError`` naming the field, the expected range and
+    the value given. Presets: :meth:`tiny`, :meth:`small`,
+    :meth:`attention_stack`, :meth:`grokking`.
+
+    Parameters
+    ----------
+    vocab_size : int or None, default 64
+        Number of token ids; None: no token embedding and no head (the model
+        reads embeddings and returns hidden states).
+    block_size : int, default 64
+        Longest sequence: size of the learned position table and the context
+        window of :meth:`FiberBundleTransformer.generate`.
+    d_model : int, default 64
+        Model width :math:`D`.
+    n_heads : int, default 4
+        Number of heads :math:`h`.
+    head_dim : int or None, default None
+        Head dimension :math:`d`; None: ``d_model // n_heads``.
+    n_layers : int, default 2
+        Number of blocks :math:`L`.
+    mode : {"euclidean", "riemannian", "fiber_bundle"}, default "fiber_bundle"
+        Dot-product or metric scores, and the defaults of ``connection``,
+        ``precondition_ffn`` and ``learned_positions`` (module docstring).
+    metric_side : {"key", "query", "mean"}, default "key"
+        Whose metric measures a query-key pair (metric modes).
+    metric_rank : int, default 2
+        Rank :math:`r \ge 0` of every attention metric; 0 gives :math:`G = \lambda I`.
+    metric_strength : float, default 1.0
+        Heterogeneity of the metrics at init (0: :math:`U = 0` at init).
+    shared_metric : bool, default False
+        One learned metric per head and layer instead of per-token metrics.
+    lam_init : float, default 1.0
+        Initial :math:`\lambda` of every metric, above the floor
+        :data:`~riemannian_ref.geometry.metric.LAM_MIN`.
+    learn_temperature : bool, default False
+        A learned per-head factor on :math:`1/\tau`.
+    connection : {"trivial", "flat", "content"} or None, default None
+        Transport of keys and values; None: ``"content"`` in ``"fiber_bundle"``
+        mode, ``"trivial"`` otherwise.
+    transport_values : bool, default True
+        Transport the values along the connection too.
+    rotary_base : float, default 10000.0
+        Base of the rotary rates of the flat and content connections.
+    content_rate_std : float, default 0.5
+        Init std of the content modulation of the rates (0: starts flat).
+    precondition_ffn : bool or None, default None
+        :math:`x + \eta G_x^{-1}\mathrm{FFN}(\mathrm{LN}(x))`; None: True in
+        ``"fiber_bundle"`` mode, False otherwise.
+    ffn_metric_rank : int, default 2
+        Rank of the model-space metric :math:`G_x` of the preconditioned FFN.
+    eta_init : float, default 1.0
+        Initial step :math:`\eta` of the preconditioned FFN (learned per block).
+    learned_positions : bool or None, default None
+        Learned absolute position embeddings; None: unless the connection is
+        ``"flat"`` or ``"content"`` (which carries position itself).
+    skip : bool, default True
+        Residual connections around the attention and the FFN.
+    mlp : bool, default True
+        A feed-forward network in every block.
+    layer_norm : bool, default True
+        Pre-norm LayerNorms in the blocks (and before the head).
+    causal : bool, default True
+        Causal self-attention (a language model); False: bidirectional.
+    mlp_ratio : int, default 4
+        FFN hidden width = ``mlp_ratio * d_model``.
+    activation : {"gelu", "relu"}, default "gelu"
+        FFN nonlinearity.
+    bias : bool, default False
+        Biases in the value/output projections, the FFN and the LayerNorms.
+    dropout : float, default 0.0
+        Dropout on embeddings, attention weights and residual branches.
+    tie_weights : bool, default True
+        The LM head shares the token embedding matrix.
+    n_classes : int or None, default None
+        Outputs per position; None: ``vocab_size`` (a language model).
+    init : {"gpt2", "unit"}, default "gpt2"
+        ``"gpt2"``: weights :math:`N(0, 0.02^2)`, residual output projections
+        divided by :math:`\sqrt{2L}`. ``"unit"``: variance-preserving
+        :math:`N(0, 1/\text{fan-in})` (He for a ReLU layer), token embeddings
+        :math:`N(0, 1)`, positions :math:`N(0, 0.1^2)`; residual output
+        projections divided by :math:`\sqrt{2L}` only when ``skip``.
+    qk_init : {"normal", "orthonormal"}, default "normal"
+        Per-head query/key frames ``[h, D, d]`` Gaussian, or with orthonormal
+        columns (for :class:`~riemannian_ref.optim.adam.StiefelAdam`).
+    qk_gain : float, default 1.0
+        Multiplies the query/key frames at init.
+    """
+
+    vocab_size: int | None = 64          # token ids (None: embeddings in, hidden states out)
+    block_size: int = 64                 # longest sequence (context length)
+    d_model: int = 64                    # model width D
+    n_heads: int = 4                     # heads h
+    head_dim: int | None = None          # d (None: D / h)
+    n_layers: int = 2                    # blocks L
+    mode: str = "fiber_bundle"           # "euclidean" | "riemannian" | "fiber_bundle"
+    metric_side: str = "key"             # whose metric measures a pair: "key" | "query" | "mean"
+    metric_rank: int = 2                 # r of each head metric G = lam I + U U^T (0: G = lam I)
+    metric_strength: float = 1.0         # heterogeneity of the metrics at init
+    shared_metric: bool = False          # one learned metric per head instead of per-token metrics
+    lam_init: float = 1.0                # initial isotropic part lam of every metric
+    learn_temperature: bool = False      # learned per-head factor on 1/tau
+    connection: str | None = None        # None: "content" in fiber_bundle mode, else "trivial"
+    transport_values: bool = True        # values transported along the connection too
+    rotary_base: float = 10000.0         # rates theta_m = base^(-2m/d) of the flat and content connections
+    content_rate_std: float = 0.5        # init std of the content modulation (0: starts flat)
+    precondition_ffn: bool | None = None  # None: True in fiber_bundle mode
+    ffn_metric_rank: int = 2             # rank of the model-space metric G_x of the preconditioned FFN
+    eta_init: float = 1.0                # initial step size eta of the preconditioned FFN
+    learned_positions: bool | None = None  # None: unless a flat/content connection carries position
+    skip: bool = True                    # residual connections
+    mlp: bool = True                     # a feed-forward network per block
+    layer_norm: bool = True              # pre-norm LayerNorms
+    causal: bool = True                  # causal self-attention
+    mlp_ratio: int = 4                   # FFN hidden width = mlp_ratio * D
+    activation: str = "gelu"             # "gelu" | "relu"
+    bias: bool = False                   # biases in linear layers and LayerNorms
+    dropout: float = 0.0                 # dropout on embeddings, attention weights and residual branches
+    tie_weights: bool = True             # LM head shares the token embedding matrix
+    n_classes: int | None = None         # outputs per position (None: vocab_size)
+    init: str = "gpt2"                   # "gpt2" | "unit"
+    qk_init: str = "normal"              # "normal" | "orthonormal" per-head frames
+    qk_gain: float = 1.0                 # multiplies the query/key frames at init
+
+    def __post_init__(self):
+        if self.vocab_size is not None:
+            _pos_int(self.vocab_size, "vocab_size")
+        for name in ("block_size", "d_model", "n_heads", "n_layers", "mlp_ratio"):
+            _pos_int(getattr(self, name), name)
+        for name in ("metric_rank", "ffn_metric_rank"):
+            _pos_int(getattr(self, name), name, 0)
+        if self.head_dim is not None:
+            _pos_int(self.head_dim, "head_dim")
+        elif self.d_model % self.n_heads:
+            raise ValueError(f"d_model must be divisible by n_heads (or give head_dim), got "
+                             f"d_model={self.d_model}, n_heads={self.n_heads}")
+        _choice(self.mode, "mode", MODES)
+        _choice(self.metric_side, "metric_side", METRIC_SIDES)
+        if self.connection is not None:
+            _choice(self.connection, "connection", CONNECTIONS)
+        _choice(self.init, "init", INITS)
+        _choice(self.activation, "activation", ACTIVATIONS)
+        for name in ("shared_metric", "learn_temperature", "transport_values", "skip", "mlp", "layer_norm",
+                     "causal", "bias", "tie_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("precondition_ffn", "learned_positions"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
+        raw_from_lam(self.lam_init)
+        _number(self.eta_init, "eta_init")
+        if self.n_classes is not None:
+            _pos_int(self.n_classes, "n_classes")
+            if self.tie_weights:
+                raise ValueError("n_classes needs tie_weights=False (the head is not the embedding)")
+        if self.vocab_size is None and self.n_classes is not None:
+            raise ValueError("n_classes needs a vocab_size (the model reads token ids)")
+        if self.precondition_ffn_resolved and not self.mlp:
+            raise ValueError("precondition_ffn needs mlp=True (it preconditions the FFN update)")
+        self.attention_config(0)  # validates the attention fields (raises naming the field)
+
+    # ------------------------------------------------------------ presets
+    @classmethod
+    def tiny(cls, **overrides) -> "FiberBundleConfig":
+        """Two layers, width 32, two heads: tests and live cells of the book.
+
+        Parameters
+        ----------
+        **overrides
+            Fields to change.
+        """
+        base = dict(vocab_size=16, block_size=32, d_model=32, n_heads=2, n_layers=2, metric_rank=2,
+                    ffn_metric_rank=2)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def small(cls, **overrides) -> "FiberBundleConfig":
+        """Four layers, width 64, four heads: the book's experiment scripts.
+
+        Parameters
+        ----------
+        **overrides
+            Fields to change.
+        """
+        base = dict(vocab_size=64, block_size=128, d_model=64, n_heads=4, n_layers=4, metric_rank=4,
+                    ffn_metric_rank=4)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def attention_stack(cls, **overrides) -> "FiberBundleConfig":
+        """A pure self-attention network (Dong, Cordonnier and Loukas 2021): no skip, no FFN, no norm.
+
+        Bidirectional, no positions, no token embedding (``vocab_size=None``:
+        feed it embeddings), variance-preserving init, ReLU FFNs with biases
+        where ``mlp=True`` is switched back on. ``skip``, ``mlp`` and
+        ``layer_norm`` give Dong et al.'s variants.
+
+        Parameters
+        ----------
+        **overrides
+            Fields to change (e.g. ``n_layers=24``, ``mode="riemannian"``).
+        """
+        base = dict(vocab_size=None, block_size=1024, d_model=64, n_heads=2, n_layers=24, mode="euclidean",
+                    metric_rank=4, skip=False, mlp=False, layer_norm=False, causal=False,
+                    learned_positions=False, activation="relu", bias=True, tie_weights=False, init="unit",
+                    precondition_ffn=False)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def grokking(cls, vocab_size: int, **overrides) -> "FiberBundleConfig":
+        """The optimiser chapter's model: one Euclidean layer with orthonormal query/key frames.
+
+        Pre-norm, learned positions, GELU FFN, biases, an untied head,
+        unit-variance init (as Power et al.'s grokking setting), three tokens
+        of context (``a op b =`` without the operator token).
+
+        Parameters
+        ----------
+        vocab_size : int
+            Number of token ids.
+        **overrides
+            Fields to change.
+        """
+        base = dict(vocab_size=vocab_size, block_size=3, d_model=32, n_heads=4, n_layers=1, mode="euclidean",
+                    bias=True, tie_weights=False, init="unit", qk_init="orthonormal")
+        return cls(**{**base, **overrides})
+
+    def replace(self, **changes) -> "FiberBundleConfig":
+        """A copy with some fields changed (validated again).
+
+        Parameters
+        ----------
+        **changes
+            Fields to change.
+        """
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------ derived
+    @property
+    def qk_dim(self) -> int:
+        """Head dimension :math:`d`."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def connection_resolved(self) -> str:
+        """The connection in use (``connection`` or the mode's default)."""
+        if self.connection is not None:
+            return self.connection
+        return "content" if self.mode == "fiber_bundle" else "trivial"
+
+    @property
+    def precondition_ffn_resolved(self) -> bool:
+        """Whether the FFN update is preconditioned (``precondition_ffn`` or the mode's default)."""
+        if self.precondition_ffn is not None:
+            return self.precondition_ffn
+        return self.mode == "fiber_bundle"
+
+    @property
+    def uses_learned_positions(self) -> bool:
+        """Whether the model adds learned absolute positions (``learned_positions`` or the default)."""
+        if self.learned_positions is not None:
+            return self.learned_positions
+        return self.connection_resolved == "trivial"
+
+    @property
+    def out_dim(self) -> int | None:
+        """Outputs per position of the head (None: no head)."""
+        return self.n_classes if self.n_classes is not None else self.vocab_size
+
+    def attention_config(self, layer: int) -> AttentionConfig:
+        """The :class:`~riemannian_ref.attention.layer.AttentionConfig` of every block's attention.
+
+        Parameters
+        ----------
+        layer : int
+            Block index (all blocks share one configuration today).
+
+        Returns
+        -------
+        AttentionConfig
+        """
+        gpt2 = self.init == "gpt2"
+        residual = 1.0 / math.sqrt(2 * self.n_layers) if (gpt2 or self.skip) else 1.0
+        return AttentionConfig(
+            d_model=self.d_model, n_heads=self.n_heads, head_dim=self.head_dim,
+            scores="dot" if self.mode == "euclidean" else "metric",
+            metric="shared" if self.shared_metric else "token", metric_side=self.metric_side,
+            rank=self.metric_rank, strength=self.metric_strength, lam_init=self.lam_init,
+            learn_temperature=self.learn_temperature, connection=self.connection_resolved,
+            rotary_base=self.rotary_base, content_rate_std=self.content_rate_std,
+            transport_values=self.transport_values, causal=self.causal, bias=self.bias, dropout=self.dropout,
+            init_std=0.02 if gpt2 else None,
+            out_init_std=(0.02 if gpt2 else (self.n_heads * self.qk_dim) ** -0.5) * residual,
+            qk_init=self.qk_init, qk_gain=self.qk_gain)
+
+
+class FiberBundleOutput(NamedTuple):
+    """What :meth:`FiberBundleTransformer.forward` returns.
+
+    Parameters
+    ----------
+    logits : Tensor, shape [B, n, out_dim], or None
+        Next-token logits (or class logits) at every position; None for a
+        model without a head.
+    loss : Tensor, shape [], or None
+        Mean cross-entropy over the positions whose target is not ``-1``;
+        None when no targets were given.
+    hidden : Tensor, shape [L + 1, B, n, D], or None
+        The residual stream: the embeddings, then the output of every block
+        (``return_hidden``).
+    weights : Tensor, shape [L, B, h, n, n], or None
+        Every block's attention weights (``return_weights``).
+    diagnostics : dict or None
+        Per-layer tensors (``return_diagnostics``; see :meth:`FiberBundleTransformer.forward`).
+    """
+
+    logits: Tensor | None
+    loss: Tensor | None
+    hidden: Tensor | None
+    weights: Tensor | None
+    diagnostics: dict | None
+
+
+class MLP(nn.Module):
+    """The feed-forward network of a block: ``Linear -> activation -> Linear``.
+
+    Parameters
+    ----------
+    config : FiberBundleConfig
+    """
+
+    def __init__(self, config: FiberBundleConfig):
+        super().__init__()
+        D, H = config.d_model, config.mlp_ratio * config.d_model
+        self.fc = nn.Linear(D, H, bias=config.bias)
+        self.proj = nn.Linear(H, D, bias=config.bias)
+        self.act = nn.GELU() if config.activation == "gelu" else nn.ReLU()
+        self.drop = nn.Dropout(config.dropout)
+        with torch.no_grad():
+            gpt2 = config.init == "gpt2"
+            residual = 1.0 / math.sqrt(2 * config.n_layers) if (gpt2 or config.skip) else 1.0
+            he = 2.0 if config.activation == "relu" else 1.0
+            self.fc.weight.normal_(0.0, 0.02 if gpt2 else math.sqrt(he / D))
+            self.proj.weight.normal_(0.0, (0.02 if gpt2 else H ** -0.5) * residual)
+            for lin in (self.fc, self.proj):
+                if lin.bias is not None:
+                    lin.bias.zero_()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x`` [B, n, D] to [B, n, D]."""
+        return self.drop(self.proj(self.act(self.fc(x))))
+
+
+class Block(nn.Module):
+    r"""One block: :math:`y = x + \mathrm{Attn}(N(x))`, then :math:`y + \mathrm{FFN}(N(y))` (each part optional).
+
+    Without ``skip`` the sums lose their first term; without ``layer_norm``
+    :math:`N` is the identity; without ``mlp`` the second step is skipped;
+    with the preconditioned FFN the update is :math:`\eta\,G_y^{-1}\mathrm{FFN}(N(y))`.
+
+    Parameters
+    ----------
+    config : FiberBundleConfig
+    layer : int
+        Index of the block.
+    """
+
+    def __init__(self, config: FiberBundleConfig, layer: int = 0):
+        super().__init__()
+        self.config = config
+        D = config.d_model
+        self.ln1 = nn.LayerNorm(D, bias=config.bias) if config.layer_norm else nn.Identity()
+        self.attn = RiemannianAttention(config.attention_config(layer))
+        self.drop = nn.Dropout(config.dropout)
+        self.ln2 = self.mlp = self.ffn_metric = self.eta = None
+        if config.mlp:
+            self.ln2 = nn.LayerNorm(D, bias=config.bias) if config.layer_norm else nn.Identity()
+            self.mlp = MLP(config)
+        if config.precondition_ffn_resolved:
+            # G_x = lam I_D + U_x U_x^T on the model space: a one-"head" metric net of dimension D
+            self.ffn_metric = MetricNet(D, 1, D, config.ffn_metric_rank, lam_init=config.lam_init,
+                                        strength=config.metric_strength)
+            self.eta = nn.Parameter(torch.tensor(float(config.eta_init)))
+
+    def forward(self, x: Tensor, *, key_mask: Tensor | None = None,
+                return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        """``x`` [B, n, D] to the block's output [B, n, D] and (optionally) its attention weights."""
+        a, A = self.attn(self.ln1(x), key_mask=key_mask, return_weights=return_weights)
+        a = self.drop(a)
+        x = x + a if self.config.skip else a
+        if self.mlp is not None:
+            z = self.ln2(x)
+            f = self.mlp(z)  # a covector on the model space                (B, n, D)
+            if self.ffn_metric is not None:
+                lam, U = self.ffn_metric(z)  # (1,), (B, 1, n, D, r)
+                f = self.eta * LowRankMetric(lam, U.squeeze(1)).solve(f)  # eta G_x^{-1} f, Woodbury
+            x = x + f if self.config.skip else f
+        return x, A
+
+
+class FiberBundleTransformer(nn.Module):
+    """The package's Transformer (module docstring): a language model, a classifier or a bare stack.
+
+    Parameters
+    ----------
+    config : FiberBundleConfig
+    """
+
+    def __init__(self, config: FiberBundleConfig):
+        super().__init__()
+        if not isinstance(config, FiberBundleConfig):
+            raise ValueError(f"config must be a FiberBundleConfig, got {type(config).__name__}")
+        self.config = config
+        D, gpt2 = config.d_model, config.init == "gpt2"
+        self.tok_emb = self.pos_emb = self.ln_f = self.lm_head = None
+        if config.vocab_size is not None:
+            self.tok_emb = nn.Embedding(config.vocab_size, D)
+            nn.init.normal_(self.tok_emb.weight, std=0.02 if gpt2 else 1.0)
+        if config.uses_learned_positions:
+            self.pos_emb = nn.Embedding(config.block_size, D)
+            nn.init.normal_(self.pos_emb.weight, std=0.02 if gpt2 else 0.1)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
+        if config.out_dim is not None:
+            self.ln_f = nn.LayerNorm(D, bias=config.bias) if config.layer_norm else nn.Identity()
+            self.lm_head = nn.Linear(D, config.out_dim, bias=False)
+            if config.tie_weights:
+                self.lm_head.weight = self.tok_emb.weight
+            else:
+                nn.init.normal_(self.lm_head.weight, std=0.02 if gpt2 else D ** -0.5)
+
+    def qk_frame_parameters(self) -> list[nn.Parameter]:
+        """The per-head query/key frames of every block, each [h, D, d] (a Stiefel optimiser's group)."""
+        return [p for blk in self.blocks for p in blk.attn.qk_frames()]
+
+    def _embed(self, idx: Tensor | None, embeds: Tensor | None) -> Tensor:
+        cfg = self.config
+        if (idx is None) == (embeds is None):
+            raise ValueError("give exactly one of idx (token ids) and embeds (states [B, n, D])")
+        if idx is not None:
+            if self.tok_emb is None:
+                raise ValueError("this model has no token embedding (vocab_size=None): pass embeds=")
+            idx = check_tensor(idx, "idx", min_dim=2, floating=False)
+            if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
+                raise ValueError(f"idx must be an integer tensor of shape [B, n], got {idx.dtype} {shape_str(idx)}")
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= cfg.vocab_size):
+                raise ValueError(f"idx must hold token ids in [0, vocab_size) = [0, {cfg.vocab_size}), got "
+                                 f"values in [{int(idx.min())}, {int(idx.max())}]")
+            x = self.tok_emb(idx)  # (B, n, D)
+        else:
+            x = check_tensor(embeds, "embeds", min_dim=3)
+            if x.dim() != 3 or x.shape[-1] != cfg.d_model:
+                raise ValueError(f"embeds must have shape [B, n, {cfg.d_model}], got {shape_str(x)}")
+        n = x.shape[1]
+        if self.pos_emb is not None:
+            if n > cfg.block_size:
+                raise ValueError(f"sequence length {n} exceeds block_size = {cfg.block_size}")
+            x = x + self.pos_emb(torch.arange(n, device=x.device))
+        return self.drop(x)
+
+    def forward(self, idx: Tensor | None = None, targets: Tensor | None = None, *, embeds: Tensor | None = None,
+                key_mask: Tensor | None = None, return_hidden: bool = False, return_weights: bool = False,
+                return_diagnostics: bool = False, diagnostic_samples: int = 64) -> FiberBundleOutput:
+        """Run the model.
+
+        Parameters
+        ----------
+        idx : LongTensor, shape [B, n], optional
+            Token ids (models with a ``vocab_size``).
+        targets : LongTensor, shape [B, n], optional
+            Target ids; ``-1`` entries are ignored by the loss.
+        embeds : Tensor, shape [B, n, D], optional
+            Input states instead of ``idx`` (positions are still added if the
+            model has them).
+        key_mask : Tensor, shape [B, n], bool, optional
+            ``True`` for real tokens, ``False`` for padding (never attended).
+        return_hidden : bool
+            Also return the residual stream [L + 1, B, n, D].
+        return_weights : bool
+            Also return every block's attention weights [L, B, h, n, n]
+            (computed densely).
+        return_diagnostics : bool
+            Also return per-layer tensors, computed without gradient:
+            ``"relative_residual"`` [L + 1] (:math:`\\|X - \\mathbf 1 \\bar x^\\top\\|_F / \\|X\\|_F`
+            of the stream, averaged over the batch) and, in metric modes,
+            ``"lam"``, ``"holonomy"``, ``"torsion"`` (on the keys) and
+            ``"metric_compatibility"``, each [L, h], averaged over the batch
+            and ``diagnostic_samples`` fixed random triangles/pairs.
+        diagnostic_samples : int
+            Number of sampled triangles and pairs.
+
+        Returns
+        -------
+        FiberBundleOutput
+            ``(logits, loss, hidden, weights, diagnostics)``, None for what was not asked.
+        """
+        x = self._embed(idx, embeds)
+        hidden, weights = [x], []
+        for blk in self.blocks:
+            x, A = blk(x, key_mask=key_mask, return_weights=return_weights)
+            hidden.append(x)
+            weights.append(A)
+        logits = loss = None
+        if self.lm_head is not None:
+            logits = self.lm_head(self.ln_f(x))  # (B, n, out_dim)
+            if targets is not None:
+                if targets.shape != logits.shape[:2]:
+                    raise ValueError(f"targets must have shape {shape_str(logits.shape[:2])}, got {shape_str(targets)}")
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        elif targets is not None:
+            raise ValueError("targets given, but this model has no head (vocab_size=None)")
+        H = torch.stack(hidden) if (return_hidden or return_diagnostics) else None  # (L + 1, B, n, D)
+        diag = self._diagnostics(H, diagnostic_samples) if return_diagnostics else None
+        return FiberBundleOutput(logits, loss, H if return_hidden else None,
+                                 torch.stack(weights) if return_weights else None, diag)
+
+    @torch.no_grad()
+    def _diagnostics(self, H: Tensor, n_samples: int) -> dict:
+        from ..analysis.bundle import (holonomy_defect, metric_compatibility_defect, sample_pairs,
+                                       sample_triangles, torsion_defect)
+        from ..attention.connections import connection_rates
+
+        Hd = H.detach()
+        res = Hd - Hd.mean(-2, keepdim=True)
+        out = {"relative_residual": (res.flatten(-2).norm(dim=-1) / Hd.flatten(-2).norm(dim=-1)).mean(-1)}
+        if self.config.mode == "euclidean":
+            return out
+        lams, hol, tor, comp = [], [], [], []
+        for layer, blk in enumerate(self.blocks):
+            z = blk.ln1(Hd[layer])
+            _, k, _ = blk.attn.project(z)
+            lam, U_q, U_k, rates = blk.attn.geometry(z)
+            lams.append(lam)
+            B, h, n, d = k.shape
+            conn = blk.attn.config.connection
+            if d % 2 or n < 3 or U_q is None and U_k is None:
+                continue
+            if conn != "content":
+                rates = connection_rates(conn, n, d, rates=rates, like=k)
+            g = torch.Generator().manual_seed(0)  # the same triangles every call: comparable numbers
+            tri = sample_triangles(n, n_samples, generator=g, device=k.device)
+            pairs = sample_pairs(n, n_samples, generator=g, device=k.device)
+            U = U_k if U_k is not None else U_q
+            if U.dim() == 3:  # shared [h, d, r]: the same metric for every token
+                U = U.view(1, h, 1, *U.shape[-2:]).expand(B, h, n, *U.shape[-2:])
+            hol.append(holonomy_defect(rates, tri).expand(B, h).mean(0))  # (h,)
+            tor.append(torsion_defect(k, rates, tri).mean(0))  # (h,)
+            comp.append(metric_compatibility_defect(lam.view(h, 1), U, rates, pairs).mean(0))  # (h,)
+        out["lam"] = torch.stack(lams)  # (L, h)
+        if hol:
+            out.update(holonomy=torch.stack(hol), torsion=torch.stack(tor), metric_compatibility=torch.stack(comp))
+        return out
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """Sample continuations autoregressively, shape [B, n + max_new_tokens].
+
+        Parameters
+        ----------
+        idx : LongTensor, shape [B, n]
+            The prompt.
+        max_new_tokens : int
+            Number of tokens to add, ``>= 0``.
+        temperature : float
+            ``0`` takes the argmax (greedy); otherwise logits are divided by it.
+        top_k : int, optional
+            Sample among the ``top_k`` most likely tokens (``>= 1``).
+        generator : torch.Generator, optional
+            CPU generator for the draws.
+
+        Returns
+        -------
+        LongTensor, shape [B, n + max_new_tokens]
+            The context is cropped to the last ``block_size`` tokens at every step.
+        """
+        if self.lm_head is None or self.config.n_classes is not None:
+            raise ValueError("generate needs a language model (vocab_size set, n_classes None)")
+        _pos_int(max_new_tokens, "max_new_tokens", 0)
+        _number(temperature, "temperature", low=0.0)
+        if top_k is not None:
+            _pos_int(top_k, "top_k")
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.block_size:]).logits[:, -1, :]  # (B, vocab)
+            if temperature == 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(logits.softmax(-1).cpu(), 1, generator=generator).to(idx.device)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+    # ------------------------------------------------------------ files
+    def save(self, path: str | os.PathLike) -> None:
+        """Save the config and the weights in one file that :meth:`load` reads back safely.
+
+        Parameters
+        ----------
+        path : str or path-like
+            File to write (``torch.save`` format holding only plain values and
+            tensors, so it loads with ``weights_only=True``).
+        """
+        torch.save({"format": _FORMAT, "config": dataclasses.asdict(self.config),
+                    "state_dict": self.state_dict()}, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, config: FiberBundleConfig | None = None,
+             map_location=None) -> "FiberBundleTransformer":
+        """Rebuild a model saved by :meth:`save` (no code from the file runs).
+
+        Parameters
+        ----------
+        path : str or path-like
+            A file written by :meth:`save`.
+        config : FiberBundleConfig, optional
+            The config the caller expects; a file with another config is
+            refused, naming the fields that differ.
+        map_location : optional
+            As in :func:`torch.load`.
+
+        Returns
+        -------
+        FiberBundleTransformer
+
+        Raises
+        ------
+        ValueError
+            Naming the file, if it is not a saved model, its config is not
+            valid, differs from ``config``, or the weights do not match it.
+        """
+        try:
+            blob = torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as exc:  # a damaged, foreign or unsafe file
+            raise ValueError(f"{os.fspath(path)}: not a readable riemannian_ref model file ({exc})") from None
+        if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
+            raise ValueError(f"{os.fspath(path)}: not a riemannian_ref model file (format {_FORMAT!r} expected)")
+        fields = {f.name for f in dataclasses.fields(FiberBundleConfig)}
+        saved = blob.get("config")
+        if not isinstance(saved, dict) or set(saved) - fields:
+            extra = sorted(set(saved) - fields) if isinstance(saved, dict) else saved
+            raise ValueError(f"{os.fspath(path)}: the saved config has unknown fields {extra}")
+        try:
+            saved_cfg = FiberBundleConfig(**saved)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{os.fspath(path)}: the saved config is not valid: {exc}") from None
+        if config is not None and config != saved_cfg:
+            diff = [f"{k}: file {getattr(saved_cfg, k)!r}, expected {getattr(config, k)!r}"
+                    for k in sorted(fields) if getattr(saved_cfg, k) != getattr(config, k)]
+            raise ValueError(f"{os.fspath(path)}: saved with another config ({'; '.join(diff)})")
+        model = cls(saved_cfg)
+        try:
+            model.load_state_dict(blob["state_dict"])
+        except (KeyError, RuntimeError) as exc:
+            raise ValueError(f"{os.fspath(path)}: the weights do not match the saved config ({exc})") from None
+        return model
+
+
+_FORMAT = "riemannian_ref.FiberBundleTransformer/1"
