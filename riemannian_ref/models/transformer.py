@@ -117,7 +117,8 @@ class FiberBundleConfig:
     mlp : bool, default True
         A feed-forward network in every block.
     layer_norm : bool, default True
-        Pre-norm LayerNorms in the blocks (and before the head).
+        Pre-norm LayerNorms in the blocks (the head always reads a
+        LayerNorm of the last state).
     causal : bool, default True
         Causal self-attention (a language model); False: bidirectional.
     mlp_ratio : int, default 4
@@ -480,7 +481,7 @@ class FiberBundleTransformer(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, layer) for layer in range(config.n_layers))
         if config.out_dim is not None:
-            self.ln_f = nn.LayerNorm(D, bias=config.bias) if config.layer_norm else nn.Identity()
+            self.ln_f = nn.LayerNorm(D, bias=config.bias)  # before the head, whatever the blocks do
             self.lm_head = nn.Linear(D, config.out_dim, bias=False)
             if config.tie_weights:
                 self.lm_head.weight = self.tok_emb.weight
