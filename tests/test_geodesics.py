@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import riemannian_ref as rr
+import riemannian_ref.geometry as rr  # pair_distance, segment_length, MetricField, path helpers
 
 F64 = torch.float64
 

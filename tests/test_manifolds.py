@@ -3,7 +3,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import riemannian_ref as rr
+import riemannian_ref.optim as rr  # Stiefel, PartialIsometry, fixed-rank geometries
 
 geoopt = pytest.importorskip("geoopt")
 

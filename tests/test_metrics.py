@@ -121,9 +121,32 @@ def test_metric_net_shapes_and_init_scale():
     ratio = (rr.LowRankMetric(lam.view(4, 1), U).quad(v) / (v * v).sum(-1)).mean()
     # lam |v|^2 + |U^T v|^2 with E|U^T v|^2 = |v|^2 at strength 1: ratio about 2
     assert 1.7 < ratio.item() < 2.3
-    lam, U, delta = rr.MetricNet(64, 4, 16, 2, diagonal=True)(x)
-    assert delta.shape == (8, 4, 50, 16) and (delta > 0).all()
+    dnet = rr.MetricNet(64, 4, 16, 2, diagonal=True)
+    lam, U = dnet(x)  # always (lam, U); the diagonal comes from delta()
+    assert U.shape == (8, 4, 50, 16, 2)
+    delta = dnet.delta(x)
+    assert delta.shape == (8, 4, 50, 16)
+    # zero-initialised diagonal map: delta = lam softplus(0) / log 2 + lam_min = lam + lam_min
+    torch.testing.assert_close(delta, (lam + dnet.lam_min).view(4, 1, 1).expand(8, 4, 50, 16))
+    with pytest.raises(ValueError, match="diagonal=True"):
+        net.delta(x)
     with pytest.raises(ValueError, match=r"x must have shape \[B, n, 64\]"):
         net(torch.randn(2, 5, 32))
     with pytest.raises(ValueError, match="rank must be an int >= 0"):
         rr.MetricNet(64, 4, 16, -1)
+
+
+def test_metric_net_shared_and_rank_zero():
+    """shared=True: one learned [h, d, r] factor per head; rank 0: U has r = 0 (G = lam I)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    shared = rr.MetricNet(8, 2, 4, 3, shared=True)
+    lam, U = shared(x)
+    assert U.shape[-3:] == (2, 4, 3) and U.numel() == 2 * 4 * 3  # [h, d, r] (maybe with a leading 1)
+    torch.testing.assert_close(U.reshape(2, 4, 3), shared.U.detach())  # the parameter, independent of x
+    torch.testing.assert_close(shared(2 * x)[1], U)
+    lam0, U0 = rr.MetricNet(8, 2, 4, 0, lam_init=2.0)(x)
+    assert U0.shape == (2, 2, 5, 4, 0)
+    torch.testing.assert_close(lam0, torch.full((2,), 2.0))
+    with pytest.raises(ValueError, match="diagonal=True needs per-token"):
+        rr.MetricNet(8, 2, 4, 1, shared=True, diagonal=True)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import riemannian_ref as rr
+from riemannian_ref.optim import FixedRankEmbedded, FixedRankTangent
 
 F64 = torch.float64
 ST = rr.Stiefel()
@@ -187,7 +188,7 @@ def test_bad_inputs_raise(gen):
 
 
 # ---------------------------------------------------------------- LowRankAdam
-FR = rr.FixedRankEmbedded()
+FR = FixedRankEmbedded()
 
 
 def test_embedded_step_uses_the_projected_gradient(gen):
@@ -203,7 +204,7 @@ def test_embedded_step_uses_the_projected_gradient(gen):
     x = FR.from_factors(A0, B0)
     xi = FR.proju(x, G)
     nrm = FR.inner(x, xi).sqrt()
-    want = FR.to_dense(FR.retr(x, rr.FixedRankTangent(*(-0.1 * c / nrm[:, None, None] for c in xi))))
+    want = FR.to_dense(FR.retr(x, FixedRankTangent(*(-0.1 * c / nrm[:, None, None] for c in xi))))
     got = A.detach() @ B.detach().transpose(-1, -2)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     # stored balanced
@@ -257,9 +258,9 @@ def test_low_rank_adam_rejects_odd_groups():
 
 @pytest.mark.parametrize("mode", ["euclidean", "riemannian", "fiber_bundle"])
 def test_stiefel_adam_trains_the_fiber_bundle_models_constrained_frames(mode):
-    """Issue 7's config flag: FiberBundleConfig(stiefel_qk=True) + StiefelAdam keeps W_Q, W_K on St(D, d)."""
+    """Issue 7's config flag: FiberBundleConfig(qk_init="orthonormal") + StiefelAdam keeps W_Q, W_K on St(D, d)."""
     torch.manual_seed(0)
-    cfg = rr.FiberBundleConfig.tiny(mode=mode, stiefel_qk=True)
+    cfg = rr.FiberBundleConfig.tiny(mode=mode, qk_init="orthonormal")
     model = rr.FiberBundleTransformer(cfg).double()
     frames = model.qk_frame_parameters()
     with torch.no_grad():  # frames were orthonormalised in float32; re-project after .double()

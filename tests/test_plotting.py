@@ -9,7 +9,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import riemannian_ref as rr  # noqa: E402
+import riemannian_ref.plotting as rr  # noqa: E402
+from riemannian_ref import LowRankMetric  # noqa: E402
 
 F64 = torch.float64
 
@@ -47,7 +48,7 @@ def test_metric_ellipse_boundary_has_unit_length(ax):
 
 def test_draw_metric_field_accepts_low_rank_and_returns_patches(ax):
     g = torch.Generator().manual_seed(1)
-    M = rr.LowRankMetric(torch.full((5,), 0.8, dtype=F64), torch.randn(5, 2, 1, generator=g, dtype=F64))
+    M = LowRankMetric(torch.full((5,), 0.8, dtype=F64), torch.randn(5, 2, 1, generator=g, dtype=F64))
     pts = torch.randn(5, 2, generator=g, dtype=F64)
     patches = rr.draw_metric_field(ax, pts, M, scale=0.2, color=["C0", "C1", "C2", "C3", "C4"])
     assert len(patches) == 5 and all(p in ax.patches for p in patches)

@@ -89,12 +89,25 @@ def test_identity_metric_equals_sdpa_with_key_bias(gen):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("side", ["key", "query", "mean"])
+def test_missing_factor_is_the_isotropic_metric(gen, side):
+    """No factor on a side the metric uses means G = lam I there (rank 0), not an error."""
+    q = torch.randn(2, 4, 3, generator=gen, dtype=F64)
+    k = torch.randn(2, 5, 3, generator=gen, dtype=F64)
+    U = torch.randn(2, 5, 3, 2, generator=gen, dtype=F64)
+    S0 = rr.riemannian_scores(q, k, lam=0.7, metric_side=side)
+    brute = -0.5 * 0.7 * ((q.unsqueeze(-2) - k.unsqueeze(-3)) ** 2).sum(-1) / math.sqrt(3)
+    torch.testing.assert_close(S0, brute, rtol=1e-12, atol=1e-12)
+    if side == "mean":  # only the key side has a factor: (lam I + G_k) / 2
+        Sm = rr.riemannian_scores(q, k, U_k=U, lam=0.7, metric_side="mean")
+        Uq0 = torch.zeros(2, 4, 3, 2, dtype=F64)
+        torch.testing.assert_close(Sm, brute_scores(q, k, Uq0, U, 0.7, "mean", 1 / math.sqrt(3)))
+
+
 @pytest.mark.parametrize(
     "args, kwargs, match",
     [
         ((torch.zeros(4, 3), torch.zeros(5, 2)), dict(U_k=torch.zeros(5, 2, 1)), "share the head dimension"),
-        ((torch.zeros(4, 3), torch.zeros(5, 3)), dict(), "needs U_k"),
-        ((torch.zeros(4, 3), torch.zeros(5, 3)), dict(metric_side="mean", U_k=torch.zeros(5, 3, 1)), "needs U_q"),
         ((torch.zeros(4, 3), torch.zeros(5, 3)), dict(metric_side="left", U_k=torch.zeros(5, 3, 1)), "metric_side must be one of"),
         ((torch.zeros(4, 3), torch.zeros(5, 3)), dict(U_k=torch.zeros(4, 3, 1)), r"U_k must have shape \[..., n, d, r\]"),
         ((torch.zeros(4, 3), torch.zeros(5, 3)), dict(U_k=torch.zeros(1, 1, 5, 3, 1)), "U_k must have 3 dims"),
@@ -102,7 +115,7 @@ def test_identity_metric_equals_sdpa_with_key_bias(gen):
         ((torch.zeros(4, 3), torch.zeros(5, 3)), dict(U_k=torch.zeros(5, 3, 1), lam=0.0), "lam must be finite and > 0"),
         ((torch.zeros(4, 3), torch.zeros(5, 3, dtype=F64)), dict(U_k=torch.zeros(5, 3, 1)), "dtype"),
         ((torch.zeros(4, 3), torch.zeros(5, 3)), dict(U_k=torch.zeros(5, 3, 1, dtype=F64)), "dtype"),
-        ((torch.zeros(4, 3), torch.zeros(5, 3)), dict(U_k=torch.zeros(5, 3, 1), scale=-1.0), "scale must be a positive"),
+        ((torch.zeros(4, 3), torch.zeros(5, 3)), dict(U_k=torch.zeros(5, 3, 1), scale=-1.0), "scale must be a finite positive"),
         ((torch.zeros(2, 4, 3), torch.zeros(3, 5, 3)), dict(U_k=torch.zeros(3, 5, 3, 1)), "do not broadcast"),
         ((torch.zeros(4, 3), torch.zeros(5, 3)), dict(metric_side="mean", U_q=torch.zeros(4, 3, 1), U_k=torch.zeros(5, 3, 2)), "same rank"),
         (([[0.0]], torch.zeros(5, 3)), dict(U_k=torch.zeros(5, 3, 1)), "q must be a torch.Tensor"),

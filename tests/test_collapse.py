@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import riemannian_ref as rr
+import riemannian_ref.analysis as rr  # residuals, ranks (riemannian_ref.analysis.collapse)
 
 DT = torch.float64
 

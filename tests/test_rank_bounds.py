@@ -118,9 +118,20 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="rtol"):
         rr.numerical_rank(torch.ones(3, 3), rtol=-1.0)
     q = torch.randn(5, 3, dtype=F64)
-    with pytest.raises(ValueError, match="U_k"):
-        rr.non_gram_factors(q, q, None, None, metric_side="key")
     with pytest.raises(ValueError, match="U_k must have shape"):
         rr.non_gram_factors(q, q, None, torch.randn(4, 3, 2, dtype=F64), metric_side="key")
     with pytest.raises(ValueError, match="lam"):
         rr.non_gram_factors(q, q, None, torch.randn(3, 2, dtype=F64), lam=-1.0, metric_side="key")
+
+
+def test_no_factor_is_the_isotropic_metric(gen):
+    """No U on a side the metric uses means G = lam I: a shared metric, rank <= d + 2."""
+    q = torch.randn(9, 3, generator=gen, dtype=F64)
+    k = torch.randn(11, 3, generator=gen, dtype=F64)
+    for side in ("key", "query", "mean"):
+        L, R = rr.non_gram_factors(q, k, None, None, lam=0.7, metric_side=side)
+        S = rr.riemannian_scores(q, k, lam=0.7, metric_side=side)
+        brute = -0.5 * 0.7 * ((q[:, None] - k[None]) ** 2).sum(-1) / 3 ** 0.5
+        torch.testing.assert_close(S, brute, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(L @ R.T, brute, rtol=1e-12, atol=1e-12)
+        assert rr.numerical_rank(S) <= rr.score_rank_bound(3, side, shared=True) == 5
