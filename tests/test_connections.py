@@ -4,6 +4,8 @@ import torch
 from hypothesis import given, strategies as st
 
 import riemannian_ref as rr
+from riemannian_ref.analysis import bundle
+from riemannian_ref.attention import connections as cx
 
 SIDES = ("key", "query", "mean")
 DT = torch.float64
@@ -29,7 +31,7 @@ def _dense_reference(q, k, v, U_q, U_k, lam, side, theta, pos, causal):
     """Per-pair dense transport matrices [n, n, d, d]: the definition, for small n only."""
     n, d = q.shape[-2], q.shape[-1]
     phi = (pos[:, None] - pos[None, :])[..., None] * theta.unsqueeze(-3)  # (B, h, i, j, d/2)
-    P = rr.block_rotation_matrix(phi)  # (B, h, i, j, d, d)
+    P = cx.block_rotation_matrix(phi)  # (B, h, i, j, d, d)
     eye = torch.eye(d, dtype=DT)
     lam4 = lam.view(-1, 1, 1)
     Gk = lam4[..., None] * eye + U_k @ U_k.transpose(-1, -2) if U_k is not None else None  # (B, h, j, d, d)
@@ -55,10 +57,10 @@ def _dense_reference(q, k, v, U_q, U_k, lam, side, theta, pos, causal):
 def test_rotate_pairs_matches_dense_and_is_orthogonal(gen):
     ang = torch.randn(5, 4, generator=gen, dtype=DT)
     x = torch.randn(5, 8, generator=gen, dtype=DT)
-    R = rr.block_rotation_matrix(ang)
-    torch.testing.assert_close(rr.rotate_pairs(x, ang), (R @ x.unsqueeze(-1)).squeeze(-1))
+    R = cx.block_rotation_matrix(ang)
+    torch.testing.assert_close(cx.rotate_pairs(x, ang), (R @ x.unsqueeze(-1)).squeeze(-1))
     torch.testing.assert_close(R.transpose(-1, -2) @ R, torch.eye(8, dtype=DT).expand(5, 8, 8))
-    assert torch.equal(rr.rotate_pairs(x, torch.zeros_like(ang)), x)
+    assert torch.equal(cx.rotate_pairs(x, torch.zeros_like(ang)), x)
 
 
 # --------------------------------------------------------------------------- attention
@@ -68,8 +70,8 @@ def test_content_matches_dense_per_pair_reference(gen, side, causal):
     q, k, v, U_q, U_k, lam, theta = _inputs(gen)
     Uq, Uk = _factors(side, U_q, U_k)
     pos = torch.arange(q.shape[-2], dtype=DT) * 1.5 + 2.0
-    out, A = rr.connection_attention(q, k, v, Uq, Uk, lam=lam, metric_side=side, connection="content",
-                                     theta=theta, positions=pos, is_causal=causal, return_weights=True)
+    out, A = rr.connection_attention(q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side=side, connection="content",
+                                     rates=theta, positions=pos, is_causal=causal, return_weights=True)
     ref_out, ref_A = _dense_reference(q, k, v, Uq, Uk, lam, side, theta, pos, causal)
     torch.testing.assert_close(A, ref_A)
     torch.testing.assert_close(out, ref_out)
@@ -81,11 +83,11 @@ def test_flat_equals_content_with_constant_rates(gen, side, shared):
     q, k, v, U_q, U_k, lam, _ = _inputs(gen, shared=shared)
     Uq, Uk = _factors(side, U_q, U_k)
     d, n = q.shape[-1], q.shape[-2]
-    freqs = rr.rotary_frequencies(d, base=50.0, dtype=DT)
-    flat = rr.connection_attention(q, k, v, Uq, Uk, lam=lam, metric_side=side, connection="flat",
-                                   theta=freqs, is_causal=True)
-    content = rr.connection_attention(q, k, v, Uq, Uk, lam=lam, metric_side=side, connection="content",
-                                      theta=freqs.expand(n, d // 2), is_causal=True)
+    freqs = cx.rotary_frequencies(d, base=50.0, dtype=DT)
+    flat = rr.connection_attention(q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side=side, connection="flat",
+                                   rates=freqs, is_causal=True)
+    content = rr.connection_attention(q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side=side, connection="content",
+                                      rates=freqs.expand(n, d // 2), is_causal=True)
     torch.testing.assert_close(flat, content)
 
 
@@ -93,10 +95,10 @@ def test_flat_equals_content_with_constant_rates(gen, side, shared):
 def test_trivial_is_plain_riemannian_attention_and_zero_rates(gen, side):
     q, k, v, U_q, U_k, lam, theta = _inputs(gen)
     Uq, Uk = _factors(side, U_q, U_k)
-    ref = rr.riemannian_attention_reference(q, k, v, Uq, Uk, lam=lam, metric_side=side, is_causal=True)
-    triv = rr.connection_attention(q, k, v, Uq, Uk, lam=lam, metric_side=side, connection="trivial", is_causal=True)
-    zero = rr.connection_attention(q, k, v, Uq, Uk, lam=lam, metric_side=side, connection="content",
-                                   theta=torch.zeros_like(theta), is_causal=True)
+    ref = rr.riemannian_attention_reference(q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side=side, is_causal=True)
+    triv = rr.connection_attention(q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side=side, connection="trivial", is_causal=True)
+    zero = rr.connection_attention(q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side=side, connection="content",
+                                   rates=torch.zeros_like(theta), is_causal=True)
     torch.testing.assert_close(triv, ref)
     torch.testing.assert_close(zero, ref)
 
@@ -106,22 +108,41 @@ def test_flat_scores_are_rotary_dot_products(gen):
     q, k, v, _, _, _, _ = _inputs(gen)
     d, n = q.shape[-1], q.shape[-2]
     U0 = torch.zeros(*k.shape, 0, dtype=DT)
-    _, A = rr.connection_attention(q, k, v, None, U0, lam=1.0, connection="flat", return_weights=True)
-    ang = torch.arange(n, dtype=DT)[:, None] * rr.rotary_frequencies(d, dtype=DT)
-    qr, kr = rr.rotate_pairs(q, -ang), rr.rotate_pairs(k, -ang)  # R^T q, R^T k
+    _, A = rr.connection_attention(q, k, v, U_q=None, U_k=U0, lam=1.0, connection="flat", return_weights=True)
+    ang = torch.arange(n, dtype=DT)[:, None] * cx.rotary_frequencies(d, dtype=DT)
+    qr, kr = cx.rotate_pairs(q, -ang), cx.rotate_pairs(k, -ang)  # R^T q, R^T k
     S = (qr @ kr.transpose(-1, -2) - 0.5 * (kr * kr).sum(-1).unsqueeze(-2)) / d ** 0.5
     torch.testing.assert_close(A, S.softmax(-1))
 
 
-@pytest.mark.parametrize("connection", rr.CONNECTIONS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dot_scores_flat_without_value_transport_is_rope(gen, causal):
+    """scores="dot", "flat", transport_values=False: SDPA on rotary-rotated queries and keys, plain values."""
+    q, k, v, _, _, _, _ = _inputs(gen)
+    d, n = q.shape[-1], q.shape[-2]
+    ang = torch.arange(n, dtype=DT)[:, None] * cx.rotary_frequencies(d, dtype=DT)  # (n, d/2)
+    # the package's frame convention rotates by R_i^T (RoPE with the rates' sign flipped)
+    rope = torch.nn.functional.scaled_dot_product_attention(
+        cx.rotate_pairs(q, -ang), cx.rotate_pairs(k, -ang), v, is_causal=causal)
+    out = rr.connection_attention(q, k, v, None, 0.0, causal, scores="dot", connection="flat",
+                                  transport_values=False)
+    torch.testing.assert_close(out, rope, rtol=1e-12, atol=1e-12)
+    # transporting the values too is a different function (rotated back to the query's fibre)
+    moved = rr.connection_attention(q, k, v, is_causal=causal, scores="dot", connection="flat")
+    assert (moved - rope).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="takes no metric factors"):
+        rr.connection_attention(q, k, v, scores="dot", U_k=torch.zeros(*k.shape, 1, dtype=DT))
+
+
+@pytest.mark.parametrize("connection", cx.CONNECTIONS)
 @pytest.mark.parametrize("side", SIDES)
 def test_causal_transport_leaks_no_future_token(gen, connection, side):
     q, k, v, U_q, U_k, lam, theta = _inputs(gen)
     Uq, Uk = _factors(side, U_q, U_k)
     th = None if connection == "trivial" else (theta if connection == "content" else None)
     t = 4  # perturb keys, values, factors and rates of tokens t.. ; outputs < t must not move
-    kw = dict(lam=lam, metric_side=side, connection=connection, theta=th, is_causal=True)
-    out = rr.connection_attention(q, k, v, Uq, Uk, **kw)
+    kw = dict(lam=lam, metric_side=side, connection=connection, rates=th, is_causal=True)
+    out = rr.connection_attention(q, k, v, U_q=Uq, U_k=Uk, **kw)
     k2, v2 = k.clone(), v.clone()
     k2[..., t:, :] += 3.0
     v2[..., t:, :] -= 2.0
@@ -132,7 +153,7 @@ def test_causal_transport_leaks_no_future_token(gen, connection, side):
     if connection == "content":
         th2 = th.clone()
         th2[..., t:, :] += 1.0
-    out2 = rr.connection_attention(q, k2, v2, Uq, Uk2, **{**kw, "theta": th2})
+    out2 = rr.connection_attention(q, k2, v2, U_q=Uq, U_k=Uk2, **{**kw, "rates": th2})
     torch.testing.assert_close(out2[..., :t, :], out[..., :t, :], rtol=0, atol=1e-12)
     assert (out2[..., t:, :] - out[..., t:, :]).abs().max() > 1e-3
 
@@ -140,22 +161,22 @@ def test_causal_transport_leaks_no_future_token(gen, connection, side):
 def test_content_gradients_flow_to_rates(gen):
     q, k, v, _, U_k, lam, theta = _inputs(gen)
     theta = theta.clone().requires_grad_(True)
-    out = rr.connection_attention(q, k, v, None, U_k, lam=lam, connection="content", theta=theta)
+    out = rr.connection_attention(q, k, v, U_q=None, U_k=U_k, lam=lam, connection="content", rates=theta)
     out.square().sum().backward()
     assert theta.grad is not None and theta.grad.abs().sum() > 0
 
 
 # --------------------------------------------------------------------------- diagnostics
 def _dense_P(rates, pos, to, frm):
-    return rr.block_rotation_matrix((pos[to] - pos[frm]) * rates[..., frm, :])
+    return cx.block_rotation_matrix((pos[to] - pos[frm]) * rates[..., frm, :])
 
 
 def test_holonomy_exactly_zero_for_trivial_and_flat(gen):
     n, d = 33, 16
-    tri = rr.sample_triangles(n, 200, generator=gen)
+    tri = bundle.sample_triangles(n, 200, generator=gen)
     like = torch.zeros((), dtype=torch.float32)
     for conn in ("trivial", "flat"):
-        rates = rr.connection_rates(conn, n, d, like=like)
+        rates = cx.connection_rates(conn, n, d, like=like)
         hol = rr.holonomy_defect(rates, tri, reduce=False)
         assert torch.equal(hol, torch.zeros_like(hol)), conn
 
@@ -164,7 +185,7 @@ def test_holonomy_positive_for_content_and_matches_dense_loop(gen):
     n, d = 9, 6
     rates = torch.rand(2, n, d // 2, generator=gen, dtype=DT)
     pos = torch.arange(n, dtype=DT)
-    tri = rr.sample_triangles(n, 20, generator=gen)
+    tri = bundle.sample_triangles(n, 20, generator=gen)
     hol = rr.holonomy_defect(rates, tri, reduce=False)  # (2, T)
     assert (hol > 1e-3).all()
     for t, (i, j, k) in enumerate(tri.tolist()):
@@ -178,7 +199,7 @@ def test_holonomy_closed_form_identity(seed):
     g = torch.Generator().manual_seed(seed)
     rates = 2 * torch.rand(5, 2, generator=g, dtype=DT) - 1
     pos = torch.randn(5, generator=g, dtype=DT)
-    tri = rr.sample_triangles(5, 4, generator=g)
+    tri = bundle.sample_triangles(5, 4, generator=g)
     hol = rr.holonomy_defect(rates, tri, positions=pos, reduce=False)
     for t, (i, j, k) in enumerate(tri.tolist()):
         loop = _dense_P(rates, pos, i, k) @ _dense_P(rates, pos, k, j) @ _dense_P(rates, pos, j, i)
@@ -188,8 +209,8 @@ def test_holonomy_closed_form_identity(seed):
 def test_torsion_zero_for_trivial_positive_for_content_and_matches_definition(gen):
     n, d = 10, 8
     x = torch.randn(3, n, d, generator=gen, dtype=DT)
-    tri = rr.sample_triangles(n, 30, generator=gen)
-    zero = rr.torsion_defect(x, rr.connection_rates("trivial", n, d, like=x), tri, reduce=False)
+    tri = bundle.sample_triangles(n, 30, generator=gen)
+    zero = rr.torsion_defect(x, cx.connection_rates("trivial", n, d, like=x), tri, reduce=False)
     assert torch.equal(zero, torch.zeros_like(zero))
     rates = torch.rand(3, n, d // 2, generator=gen, dtype=DT)
     tor = rr.torsion_defect(x, rates, tri, reduce=False)
@@ -207,7 +228,7 @@ def test_metric_compatibility_matches_dense(gen, per_token_lam):
     U = torch.randn(2, n, d, r, generator=gen, dtype=DT)
     lam = 0.5 + torch.rand(2, n, generator=gen, dtype=DT) if per_token_lam else 0.7
     rates = torch.rand(2, n, d // 2, generator=gen, dtype=DT)
-    pairs = rr.sample_pairs(n, 15, generator=gen)
+    pairs = bundle.sample_pairs(n, 15, generator=gen)
     got = rr.metric_compatibility_defect(lam, U, rates, pairs, reduce=False)
     G = rr.LowRankMetric(lam if per_token_lam else lam, U).dense()  # (2, n, d, d)
     pos = torch.arange(n, dtype=DT)
@@ -220,12 +241,12 @@ def test_metric_compatibility_matches_dense(gen, per_token_lam):
 def test_flat_is_compatible_with_a_rotary_covariant_metric(gen):
     """U_i = R_i U_0 is carried onto itself by P = R_i R_j^T: zero defect."""
     n, d, r = 12, 8, 2
-    theta = rr.rotary_frequencies(d, base=20.0, dtype=DT)
+    theta = cx.rotary_frequencies(d, base=20.0, dtype=DT)
     U0 = torch.randn(d, r, generator=gen, dtype=DT)
     ang = torch.arange(n, dtype=DT)[:, None] * theta
-    U = rr.rotate_pairs(U0.T.expand(n, r, d), ang.unsqueeze(-2)).transpose(-1, -2)  # (n, d, r)
-    pairs = rr.sample_pairs(n, 40, generator=gen)
-    rates = rr.connection_rates("flat", n, d, theta=theta, like=U)
+    U = cx.rotate_pairs(U0.T.expand(n, r, d), ang.unsqueeze(-2)).transpose(-1, -2)  # (n, d, r)
+    pairs = bundle.sample_pairs(n, 40, generator=gen)
+    rates = cx.connection_rates("flat", n, d, rates=theta, like=U)
     defect = rr.metric_compatibility_defect(1.0, U, rates, pairs)
     assert defect < 1e-10
     assert rr.metric_compatibility_defect(1.0, U, torch.zeros_like(rates), pairs) > 1e-2
@@ -235,18 +256,18 @@ def test_flat_is_compatible_with_a_rotary_covariant_metric(gen):
 def test_clear_errors(gen):
     q, k, v, _, U_k, lam, theta = _inputs(gen)
     with pytest.raises(ValueError, match="connection must be one of"):
-        rr.connection_attention(q, k, v, None, U_k, connection="levi-civita")
-    with pytest.raises(ValueError, match="needs theta"):
-        rr.connection_attention(q, k, v, None, U_k, connection="content")
+        rr.connection_attention(q, k, v, U_q=None, U_k=U_k, connection="levi-civita")
+    with pytest.raises(ValueError, match="needs rates"):
+        rr.connection_attention(q, k, v, U_q=None, U_k=U_k, connection="content")
     with pytest.raises(ValueError, match="not used by the trivial"):
-        rr.connection_attention(q, k, v, None, U_k, connection="trivial", theta=theta)
+        rr.connection_attention(q, k, v, U_q=None, U_k=U_k, connection="trivial", rates=theta)
     with pytest.raises(ValueError, match="must be even"):
-        rr.connection_attention(q[..., :5], k[..., :5], v[..., :5], None, U_k[..., :5, :], connection="flat")
+        rr.connection_attention(q[..., :5], k[..., :5], v[..., :5], U_q=None, U_k=U_k[..., :5, :], connection="flat")
     with pytest.raises(ValueError, match="head dimension d"):
-        rr.connection_attention(q, k, v[..., :4], None, U_k, connection="content", theta=theta)
+        rr.connection_attention(q, k, v[..., :4], U_q=None, U_k=U_k, connection="content", rates=theta)
     with pytest.raises(ValueError, match=r"\[\.\.\., n, d/2\]"):
-        rr.connection_attention(q, k, v, None, U_k, connection="content", theta=theta[..., :2])
+        rr.connection_attention(q, k, v, U_q=None, U_k=U_k, connection="content", rates=theta[..., :2])
     with pytest.raises(ValueError, match="positions"):
-        rr.connection_attention(q, k, v, None, U_k, connection="flat", positions=torch.arange(3))
+        rr.connection_attention(q, k, v, U_q=None, U_k=U_k, connection="flat", positions=torch.arange(3))
     with pytest.raises(ValueError, match="metric_side"):
-        rr.connection_attention(q, k, v, None, U_k, metric_side="left")
+        rr.connection_attention(q, k, v, U_q=None, U_k=U_k, metric_side="left")
