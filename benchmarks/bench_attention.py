@@ -86,7 +86,7 @@ def run_once(op, inputs, side, backward, gout=None):
     if op == "sdpa":
         out = F.scaled_dot_product_attention(q, k, v)
     else:
-        out = rr.riemannian_attention(q, k, v, Uq, Uk, metric_side=side)
+        out = rr.riemannian_attention(q, k, v, U_q=Uq, U_k=Uk, metric_side=side)
     if backward:
         out.backward(gout)
     return out

@@ -105,11 +105,11 @@ def main():
 
         def two_blocks(q=q, k=k, v=v, Uk=Uk):
             with torch.no_grad():
-                return rr.riemannian_attention(q, k, v, None, Uk, block_sizes=(128, 256))
+                return rr.riemannian_attention(q, k, v, U_k=Uk, block_sizes=(128, 256))
 
         def one_block(q=q, k=k, v=v, Uk=Uk):
             with torch.no_grad():
-                return rr.riemannian_attention(q, k, v, None, Uk, block_sizes=(128, 512))
+                return rr.riemannian_attention(q, k, v, U_k=Uk, block_sizes=(128, 512))
 
         torch.testing.assert_close(two_blocks(), one_block(), rtol=1e-5, atol=1e-5)
         rows.append(dict(what=f"operator n = 512, r = {r}, forward: two key blocks (128, 256) vs one (128, 512)",

@@ -35,23 +35,11 @@ import torch
 from tqdm.auto import tqdm
 
 import riemannian_ref as rr
-from train import MODES, ModelConfig, TaskConfig, build_model, task_data
+from train import MODES, ModelConfig, TaskConfig, build_model, model_config, task_data
 
 
 def n_params(mc: ModelConfig, V: int, n: int) -> int:
-    torch.manual_seed(0)
-    return sum(p.numel() for p in build_model(mc, V, n).parameters() if p.requires_grad)
-
-
-def match_width(mc: ModelConfig, target: int, V: int, n: int, lo: int, hi: int) -> tuple[int, int]:
-    """The width in [lo, hi] (multiples of 2 h) whose count is closest to ``target``."""
-    step = 2 * mc.n_heads
-    best = None
-    for D in range(max(step, lo - lo % step), hi + 1, step):
-        p = n_params(dataclasses.replace(mc, d_model=D), V, n)
-        if best is None or abs(p - target) < abs(best[1] - target):
-            best = (D, p)
-    return best
+    return rr.count_parameters(model_config(mc, V, n))["total"]
 
 
 def throughput(mcs: dict, data: rr.TaskData, batch_size: int, reps: int, steps: int, lr: float) -> dict:
@@ -69,7 +57,7 @@ def throughput(mcs: dict, data: rr.TaskData, batch_size: int, reps: int, steps: 
             x, y, mk = data.x[b], data.y[b], data.mask[b]
             t0 = time.perf_counter()
             for _ in range(steps):
-                loss = rr.masked_cross_entropy(rr.logits_of(model(x)), y, mk)
+                loss = rr.training.masked_cross_entropy(model(x).logits, y, mk)
                 opts[mode].zero_grad()
                 loss.backward()
                 opts[mode].step()
@@ -107,14 +95,14 @@ def summarise(runs: list[dict]) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", default="recall", choices=("recall", "modadd", "charlm"))
+    ap.add_argument("--task", default="recall", choices=("recall", "modular", "charlm"))
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--d-model", type=int, default=64)
     ap.add_argument("--n-layers", type=int, default=2)
     ap.add_argument("--n-heads", type=int, default=4)
     ap.add_argument("--metric-rank", type=int, default=2)
     ap.add_argument("--vocab-size", type=int, default=32)
-    ap.add_argument("--num-pairs", type=int, default=8)
+    ap.add_argument("--n-pairs", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--n-train", type=int, default=8192)
     ap.add_argument("--n-val", type=int, default=256)
@@ -138,7 +126,7 @@ def main(argv=None):
     modes = a.modes.split(",")
     lrs = [float(x) for x in a.lrs.split(",")]
     seeds = [int(x) for x in a.seeds.split(",")]
-    tc = TaskConfig(name=a.task, vocab_size=a.vocab_size, num_pairs=a.num_pairs, seq_len=a.seq_len,
+    tc = TaskConfig(name=a.task, vocab_size=a.vocab_size, n_pairs=a.n_pairs, seq_len=a.seq_len,
                     n_train=a.n_train, n_val=a.n_val, p=a.p)
     data_by_seed = {s: task_data(tc, s) for s in seeds}
     V, n = data_by_seed[seeds[0]][0].vocab_size, data_by_seed[seeds[0]][0].seq_len
@@ -150,7 +138,8 @@ def main(argv=None):
     for mode in modes:
         mc = dataclasses.replace(base, mode=mode)
         if mode != "euclidean" and not a.no_match_params:
-            D, _ = match_width(mc, target, V, n, a.d_model // 2, a.d_model)
+            D = rr.match_width(model_config(mc, V, n), target, widths=range(2 * a.n_heads, a.d_model + 1,
+                                                                              2 * a.n_heads)).d_model
             mc = dataclasses.replace(mc, d_model=D)
         mcs[mode] = mc
         counts[mode] = {"d_model": mc.d_model, "n_params": n_params(mc, V, n),
@@ -211,8 +200,9 @@ def main(argv=None):
         "runs_grid": grid, "runs_matched_params": matched, "runs_matched_wallclock": wallclock,
         "wall_s": time.perf_counter() - t_start, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
         "nice": os.nice(0), "threads": torch.get_num_threads(), "device": a.device,
-        "model_source_sha256": {m: hashlib.sha256(open(getattr(rr, m).__file__, "rb").read()).hexdigest()
-                                for m in ("model", "connections") if hasattr(rr, m)},
+        "package_version": rr.__version__,
+        "model_source_sha256": {m.__name__: hashlib.sha256(open(m.__file__, "rb").read()).hexdigest()
+                                for m in (rr.models.transformer, rr.attention.layer, rr.attention.connections)},
         "torch": torch.__version__, "python": sys.version.split()[0], "argv": sys.argv[1:] if argv is None else argv,
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

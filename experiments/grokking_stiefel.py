@@ -2,8 +2,9 @@
 
 Task: ``a + b mod p`` as sequences ``[a, b, =]``, predict at ``=`` (Power et al.
 2022), full-batch training on a random ``train_frac`` of the ``p**2`` pairs.
-Model: :class:`riemannian_ref.TinyTransformer` (one pre-norm layer); ``W_Q`` and
-``W_K`` start as the same Haar frames in every arm. Arms:
+Model: ``FiberBundleConfig.grokking`` (one pre-norm Euclidean layer), trained
+full batch by ``riemannian_ref.train``; ``W_Q`` and ``W_K`` start as the same
+Haar frames in every arm. Arms:
 
 * ``adamw``   -- AdamW on every parameter (decoupled weight decay ``wd``);
 * ``stiefel`` -- StiefelAdam: ``W_Q, W_K`` frames on St(D, d) (same ``lr``; weight
@@ -32,7 +33,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import riemannian_ref as rr
@@ -40,66 +40,54 @@ import riemannian_ref as rr
 ARMS = ("adamw", "stiefel", "stiefel_lrx", "frozen")
 
 
-def make_optimizer(model: rr.TinyTransformer, arm: str, lr: float, wd: float, betas):
+def make_optimizer(model: rr.FiberBundleTransformer, arm: str, lr: float, wd: float, betas):
     frames = model.qk_frame_parameters()
     frame_ids = {id(p) for p in frames}
     rest = [p for p in model.parameters() if id(p) not in frame_ids]
-    cfg = model.cfg
+    cfg = model.config
     if arm == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, betas=betas)
     if arm == "frozen":
         for p in frames:
             p.requires_grad_(False)
         return torch.optim.AdamW(rest, lr=lr, weight_decay=wd, betas=betas)
-    frame_lr = lr * (math.sqrt(cfg.d_model * cfg.head_dim) if arm == "stiefel_lrx" else 1.0)
+    frame_lr = lr * (math.sqrt(cfg.d_model * cfg.qk_dim) if arm == "stiefel_lrx" else 1.0)
     return rr.StiefelAdam(
         [{"params": frames, "stiefel": True, "lr": frame_lr, "trust_radius": 0.1},
          {"params": rest}],
         lr=lr, weight_decay=wd, betas=betas)
 
 
-@torch.no_grad()
-def accuracy(model, x, y) -> float:
-    return (model(x)[:, -1].argmax(-1) == y).double().mean().item()
-
-
 def run_one(arm: str, seed: int, args) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    xtr, ytr, xva, yva = rr.modular_addition_data(args.p, args.train_frac, generator=g)
-    cfg = rr.TinyTransformerConfig(vocab=args.p + 1, n_ctx=3, d_model=args.d_model,
-                                   n_heads=args.n_heads, head_dim=args.head_dim,
-                                   d_mlp=args.d_mlp, n_layers=1, causal=True)
-    model = rr.TinyTransformer(cfg, generator=torch.Generator().manual_seed(1000 + seed))
+    train, val = rr.modular_arithmetic(args.p, op="+", train_fraction=args.train_frac,
+                                       generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(1000 + seed)  # the same Haar frames in every arm of a seed
+    model = rr.FiberBundleTransformer(rr.FiberBundleConfig.grokking(
+        args.p + 1, d_model=args.d_model, n_heads=args.n_heads, head_dim=args.head_dim,
+        mlp_ratio=args.d_mlp // args.d_model))
     frames0 = [p.detach().clone() for p in model.qk_frame_parameters()]
     opt = make_optimizer(model, arm, args.lr, args.wd, (0.9, 0.98))
     log = {"step": [], "train_acc": [], "val_acc": [], "train_loss": [], "frame_dist": [], "weight_norm": []}
-    t0 = time.perf_counter()
-    for step in range(args.steps + 1):
-        if step % args.eval_every == 0:
-            model.eval()
-            with torch.no_grad():
-                logits = model(xtr)[:, -1]
-                log["step"].append(step)
-                log["train_loss"].append(F.cross_entropy(logits, ytr).item())
-                log["train_acc"].append((logits.argmax(-1) == ytr).double().mean().item())
-                log["val_acc"].append(accuracy(model, xva, yva))
-                # relative Frobenius distance of W_Q, W_K from their initial frames (mean over heads)
-                dist = [((p - p0).flatten(1).norm(dim=1) / p0.flatten(1).norm(dim=1)).mean().item()
-                        for p, p0 in zip(model.qk_frame_parameters(), frames0)]
-                log["frame_dist"].append(sum(dist) / len(dist))
-                log["weight_norm"].append(math.sqrt(sum(p.detach().square().sum().item() for p in model.parameters())))
-            model.train()
-        if step == args.steps:
-            break
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(xtr)[:, -1], ytr)
-        loss.backward()
-        opt.step()
-    wall = time.perf_counter() - t0
+
+    def record(step: int, metrics: dict) -> None:
+        tr = rr.evaluate(model, train, batch_size=len(train))
+        log["step"].append(step)
+        log["train_loss"].append(tr["loss"])
+        log["train_acc"].append(tr["accuracy"])
+        log["val_acc"].append(metrics["val_accuracy"])
+        # relative Frobenius distance of W_Q, W_K from their initial frames (mean over heads)
+        dist = [((p - p0).flatten(1).norm(dim=1) / p0.flatten(1).norm(dim=1)).mean().item()
+                for p, p0 in zip(model.qk_frame_parameters(), frames0)]
+        log["frame_dist"].append(sum(dist) / len(dist))
+        log["weight_norm"].append(math.sqrt(sum(p.detach().square().sum().item() for p in model.parameters())))
+
+    res = rr.train(model, train, val, rr.TrainConfig(
+        lr=args.lr, schedule="constant", grad_clip=None, steps=args.steps, batch_size=None,
+        eval_interval=args.eval_every, eval_batch_size=len(val)), optimizer=opt, hooks=[record])
     va = log["val_acc"]
     grok = next((s for s, a in zip(log["step"], va) if a >= 0.95), None)
     return {"arm": arm, "seed": seed, "log": log, "final_val_acc": va[-1], "max_val_acc": max(va),
-            "grok_step_95": grok, "final_frame_dist": log["frame_dist"][-1], "wall_s": wall}
+            "grok_step_95": grok, "final_frame_dist": log["frame_dist"][-1], "wall_s": res.train_time_s}
 
 
 def main() -> None:

@@ -44,10 +44,10 @@ def exp_deficiency(args, bar):
             Xq, Xc = draw(args, g)
             Y = rr.kernel_attention(Xq, Xc, W_star)
             for r in range(1, args.d + 1):
-                h = rr.fit_low_rank_kernel(Xq, Xc, Y, r, rr.FitConfig(steps=args.steps), generator=g)
+                h = rr.fit_low_rank_kernel(Xq, Xc, Y, r, rr.analysis.intrinsic.FitConfig(steps=args.steps), generator=g)
                 rows.append(dict(r_star=r_star, seed=seed, r=r,
-                                 risk=float(rr.population_risk(h["W"], W_star, args.n)),
-                                 bound=float(rr.best_rank_risk(W_star, r, args.n)),
+                                 risk=float(rr.analysis.intrinsic.population_risk(h["W"], W_star, args.n)),
+                                 bound=float(rr.analysis.intrinsic.best_rank_risk(W_star, r, args.n)),
                                  train_loss=h["loss"][-1], erank=h["erank"][-1]))
                 bar.update()
     return rows
@@ -61,7 +61,7 @@ def exp_recovery(args, bar):
             W_star = rr.teacher_kernel(args.d, args.recovery_r_star, generator=g, scale=2.0)
             Xq, Xc = draw(args, g)
             Y = rr.kernel_attention(Xq, Xc, W_star, attention=attention)
-            h = rr.fit_low_rank_kernel(Xq, Xc, Y, args.d, rr.FitConfig(steps=args.steps, attention=attention,
+            h = rr.fit_low_rank_kernel(Xq, Xc, Y, args.d, rr.analysis.intrinsic.FitConfig(steps=args.steps, attention=attention,
                                                                   log_every=10), generator=g)
             rows.append(dict(attention=attention, seed=seed, r_star=args.recovery_r_star,
                              steps=h["steps"], loss=h["loss"], erank=h["erank"]))
@@ -78,7 +78,7 @@ def exp_data_only(args, bar):
                     g = torch.Generator().manual_seed(31 * r_star + seed)
                     W_star = rr.teacher_kernel(args.d, r_star, generator=g, scale=scale)
                     Xq, Xc = draw(args, g)
-                    M = rr.kernel_statistic(Xq, Xc, rr.kernel_attention(Xq, Xc, W_star, attention=attention))
+                    M = rr.analysis.intrinsic.kernel_statistic(Xq, Xc, rr.kernel_attention(Xq, Xc, W_star, attention=attention))
                     s = torch.linalg.svdvals(M)
                     rows.append(dict(attention=attention, scale=scale, r_star=r_star, seed=seed,
                                      erank=float(rr.energy_effective_rank(M)),
@@ -88,32 +88,28 @@ def exp_data_only(args, bar):
     return rows
 
 
-def recall_accuracy(kind, head_dim, metric_rank, seed, args):
-    g = torch.Generator().manual_seed(seed)
+def recall_accuracy(scores, head_dim, metric_rank, seed, args):
+    task = dict(n_keys=args.n_keys, n_values=args.n_values, n_pairs=args.n_pairs)
+    train = rr.pair_lookup(args.recall_steps * args.recall_batch, generator=torch.Generator().manual_seed(seed),
+                           **task)  # as many examples as the run draws (with replacement)
+    test = rr.pair_lookup(4000, generator=torch.Generator().manual_seed(10_000 + seed), **task)
     torch.manual_seed(seed)
-    model = rr.RecallHead(args.n_keys, args.n_values, args.d_model, head_dim,
-                          kind=kind, metric_rank=metric_rank)
-    opt = torch.optim.Adam(model.parameters(), lr=args.recall_lr)
-    for _ in range(args.recall_steps):
-        k, v, q, a = rr.recall_batch(args.recall_batch, args.n_pairs, args.n_keys, args.n_values, generator=g)
-        loss = torch.nn.functional.cross_entropy(model(k, v, q), a)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    k, v, q, a = rr.recall_batch(4000, args.n_pairs, args.n_keys, args.n_values,
-                                 generator=torch.Generator().manual_seed(10_000 + seed))
-    with torch.no_grad():
-        return float((model(k, v, q).argmax(-1) == a).float().mean())
+    model = rr.RecallHead(args.n_keys, args.n_values, args.d_model, head_dim, scores=scores,
+                          metric_rank=metric_rank)
+    res = rr.train(model, train, test, rr.TrainConfig(
+        lr=args.recall_lr, betas=(0.9, 0.999), schedule="constant", grad_clip=None, steps=args.recall_steps,
+        batch_size=args.recall_batch, eval_interval=args.recall_steps, seed=seed))
+    return res.final["val_accuracy"]
 
 
 def exp_recall(args, bar):
     rows = []
-    heads = [("dot product", "euclidean", 0), ("distance, shared metric", "riemannian", 0),
-             ("distance, per-key metrics", "riemannian", args.metric_rank)]
-    for label, kind, metric_rank in heads:
+    heads = [("dot product", "dot", 0), ("distance, shared metric", "metric", 0),
+             ("distance, per-key metrics", "metric", args.metric_rank)]
+    for label, scores, metric_rank in heads:
         for head_dim in args.head_dims:
             for seed in range(args.seeds):
-                acc = recall_accuracy(kind, head_dim, metric_rank, seed, args)
+                acc = recall_accuracy(scores, head_dim, metric_rank, seed, args)
                 rows.append(dict(head=label, head_dim=head_dim, seed=seed, accuracy=acc))
                 bar.update()
     return rows

@@ -2,7 +2,7 @@
 """Rank collapse of attention stacks: Euclidean vs Riemannian variants, by depth.
 
 For every variant and architecture, each seed builds one random depth-L stack
-(`riemannian_ref.AttentionStack`), feeds it a batch of Gaussian token states
+(`FiberBundleConfig.attention_stack`), feeds it a batch of Gaussian token states
 and records, for every depth 0..L, the relative residual (mean form, composite
 and Frobenius norms), the stable rank and the energy effective rank of the
 hidden states, and the relative residual of the product of head-0 attention
@@ -10,9 +10,9 @@ matrices (the distance of a path product to rank one). Per seed the values are
 averaged over the batch (log10 for residuals); the file stores the per-seed
 values so the chapters can compute means and intervals.
 
-Part "trained" trains a depth-`--train-depth` classifier on the histogram task
-for `--train-steps` Adam steps and records the same profile on fresh inputs
-before and after training.
+Part "trained" trains a depth-`--train-depth` classifier on the counting task
+for `--train-steps` Adam steps (`riemannian_ref.train`) and records the same
+profile on held-out inputs before and after training.
 
     python experiments/rank_collapse.py --seeds 10 --depth 24 --train-seeds 10 --out results/rank_collapse.json
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import sys
@@ -45,18 +44,20 @@ ARCHS = {  # name: (skip, mlp, layer_norm)
 
 
 def variant_grid(ranks, strengths, sides, connections=("trivial", "flat", "content")):
-    """Name -> StackConfig overrides for the attention variants."""
-    v = {"euclidean": dict(attention="euclidean"),
-         "l2": dict(attention="hetero", rank=0, strength=0.0)}  # G = lam I: distance, not dot product
+    """Name -> FiberBundleConfig overrides for the attention variants."""
+    metric = dict(mode="riemannian")
+    v = {"euclidean": dict(mode="euclidean"),
+         "l2": dict(metric, metric_rank=0, metric_strength=0.0)}  # G = lam I: distance, not dot product
     for s in strengths:
-        v[f"shared-r4-s{s:g}"] = dict(attention="shared", rank=4, strength=s)
+        v[f"shared-r4-s{s:g}"] = dict(metric, shared_metric=True, metric_rank=4, metric_strength=s)
     for side in sides:
         for r in ranks:
-            v[f"hetero-{side}-r{r}-s1"] = dict(attention="hetero", metric_side=side, rank=r, strength=1.0)
+            v[f"hetero-{side}-r{r}-s1"] = dict(metric, metric_side=side, metric_rank=r, metric_strength=1.0)
         for s in strengths:
-            v[f"hetero-{side}-r4-s{s:g}"] = dict(attention="hetero", metric_side=side, rank=4, strength=s)
+            v[f"hetero-{side}-r4-s{s:g}"] = dict(metric, metric_side=side, metric_rank=4, metric_strength=s)
     for c in connections:
-        v[f"fiber-{c}-key-r4-s1"] = dict(attention="fiber", connection=c, metric_side="key", rank=4, strength=1.0)
+        v[f"fiber-{c}-key-r4-s1"] = dict(metric, connection=c, metric_side="key", metric_rank=4,
+                                         metric_strength=1.0)
     return v
 
 
@@ -103,12 +104,15 @@ def run_init(args, variants, jobs, bar) -> dict:
             runs = []
             for seed in range(args.seeds):
                 torch.manual_seed(seed)
-                cfg = rr.StackConfig(d_model=args.d_model, n_heads=args.heads, depth=args.depth,
-                                     skip=skip, mlp=mlp, layer_norm=ln, qk_gain=gain, **over)
-                stack = rr.AttentionStack(cfg).double()
+                cfg = rr.FiberBundleConfig.attention_stack(d_model=args.d_model, n_heads=args.heads,
+                                                           n_layers=args.depth, skip=skip, mlp=mlp, layer_norm=ln,
+                                                           qk_gain=gain, **over)
+                stack = rr.FiberBundleTransformer(cfg).double()
                 g = torch.Generator().manual_seed(10_000 + seed)
                 X = torch.randn(args.batch, args.n, args.d_model, generator=g, dtype=torch.float64)
-                H, W = stack(X, return_weights=True)
+                with torch.no_grad():
+                    out = stack(embeds=X, return_hidden=True, return_weights=True)
+                H, W = out.hidden, out.weights
                 runs.append(profile(H, W))
                 bar.update(1)
             res[f"{arch}/g{gain:g}/{name}"] = {k: [r[k] for r in runs] for k in runs[0]}
@@ -116,7 +120,6 @@ def run_init(args, variants, jobs, bar) -> dict:
 
 
 def run_trained(args, variants, archs, bar) -> dict:
-    task = rr.HistogramTask(n=args.train_n, vocab=args.train_vocab)
     res = {}
     for arch in archs:
         skip, mlp, ln = ARCHS[arch]
@@ -124,20 +127,23 @@ def run_trained(args, variants, archs, bar) -> dict:
             runs = {"init": [], "trained": [], "final_loss": [], "accuracy": []}
             for seed in range(args.train_seeds):
                 torch.manual_seed(seed)
-                cfg = rr.StackConfig(d_model=args.train_d_model, n_heads=args.heads, depth=args.train_depth,
-                                     skip=skip, mlp=mlp, layer_norm=ln, **over)
-                model = rr.StackClassifier(cfg, task.vocab, task.n)
-                g_eval = torch.Generator().manual_seed(20_000 + seed)
-                tok_eval, y_eval = task.sample(256, g_eval)
+                cfg = rr.FiberBundleConfig.attention_stack(
+                    d_model=args.train_d_model, n_heads=args.heads, n_layers=args.train_depth, skip=skip,
+                    mlp=mlp, layer_norm=ln, vocab_size=args.train_vocab, n_classes=args.train_n, **over)
+                model = rr.FiberBundleTransformer(cfg)
+                task = dict(seq_len=args.train_n, vocab_size=args.train_vocab)
+                train = rr.counting(args.train_examples, generator=torch.Generator().manual_seed(30_000 + seed),
+                                    **task)
+                held = rr.counting(256, generator=torch.Generator().manual_seed(20_000 + seed), **task)
                 with torch.no_grad():
-                    runs["init"].append(profile(model(tok_eval)[1].double(), None))
-                losses = rr.train_classifier(model, task, steps=args.train_steps, batch=args.train_batch, lr=args.lr,
-                                             generator=torch.Generator().manual_seed(30_000 + seed))
+                    runs["init"].append(profile(model(held.x, return_hidden=True).hidden.double(), None))
+                res_train = rr.train(model, train, held, rr.TrainConfig(
+                    lr=args.lr, steps=args.train_steps, batch_size=args.train_batch, schedule="constant",
+                    grad_clip=None, betas=(0.9, 0.999), eval_interval=min(20, args.train_steps), seed=seed))
                 with torch.no_grad():
-                    logits, H = model(tok_eval)
-                    runs["trained"].append(profile(H.double(), None))
-                    runs["accuracy"].append(round(float((logits.argmax(-1) == y_eval).double().mean()), 4))
-                runs["final_loss"].append(round(sum(losses[-20:]) / len(losses[-20:]), 4))
+                    runs["trained"].append(profile(model(held.x, return_hidden=True).hidden.double(), None))
+                runs["accuracy"].append(round(res_train.final["val_accuracy"], 4))
+                runs["final_loss"].append(round(res_train.history["train_loss"][-1], 4))  # mean of the last 20 steps
                 bar.update(1)
             res[f"{arch}/g1/{name}"] = runs
     return res
@@ -174,6 +180,7 @@ def main(argv=None) -> None:
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--train-n", type=int, default=16)
     p.add_argument("--train-vocab", type=int, default=8)
+    p.add_argument("--train-examples", type=int, default=8192, help="counting sequences to train on")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", type=Path, default=Path("results/rank_collapse.json"))
     args = p.parse_args(argv)

@@ -1,9 +1,9 @@
 """Rank-factored Riemannian optimisation of W_Q W_K^T vs AdamW on a character LM.
 
-Task: next-character prediction on the source text of the standard-library
-module ``argparse`` (``inspect.getsource``; ships with Python, no download),
-first 90% for training, last 10% for validation. Model:
-:class:`riemannian_ref.TinyTransformer`, two layers. Each head's bilinear form
+Task: next-character prediction on ``riemannian_ref.char_lm`` (docstrings of
+standard-library modules; ships with Python, no download), the last 10% held
+out. Model: ``FiberBundleConfig.grokking`` with two layers and a context of
+``--n-ctx``, trained by ``riemannian_ref.train``. Each head's bilinear form
 :math:`W_Q^h (W_K^h)^\\top` (rank ``d`` in ``D x D``) is a point of
 
 * ``adamw``    -- nothing: AdamW on every parameter (the baseline);
@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 import riemannian_ref as rr
@@ -57,63 +55,32 @@ def make_optimizer(model, arm, lr_adamw, lr_geo):
                            {"params": rest}], lr=lr_adamw)
 
 
-def batches(tokens, n_ctx, batch, g):
-    idx = torch.randint(0, tokens.numel() - n_ctx - 1, (batch,), generator=g)
-    x = torch.stack([tokens[i:i + n_ctx] for i in idx.tolist()])  # (B, n)
-    y = torch.stack([tokens[i + 1:i + n_ctx + 1] for i in idx.tolist()])  # (B, n)
-    return x, y
-
-
-@torch.no_grad()
-def val_loss(model, tokens, n_ctx, n_windows=64):
-    starts = torch.linspace(0, tokens.numel() - n_ctx - 2, n_windows).long().tolist()
-    x = torch.stack([tokens[i:i + n_ctx] for i in starts])
-    y = torch.stack([tokens[i + 1:i + n_ctx + 1] for i in starts])
-    logits = model(x)
-    return F.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
-
-
 def run_one(arm, seed, lr_adamw, lr_geo, data, args):
-    train, val, vocab = data
-    cfg = rr.TinyTransformerConfig(vocab=vocab, n_ctx=args.n_ctx, d_model=args.d_model, n_heads=args.n_heads,
-                                   head_dim=args.head_dim, d_mlp=4 * args.d_model, n_layers=args.n_layers)
-    model = rr.TinyTransformer(cfg, generator=torch.Generator().manual_seed(100 + seed))
+    train, val = data
+    torch.manual_seed(100 + seed)
+    model = rr.FiberBundleTransformer(rr.FiberBundleConfig.grokking(
+        train.vocab_size, block_size=args.n_ctx, d_model=args.d_model, n_heads=args.n_heads,
+        head_dim=args.head_dim, n_layers=args.n_layers))
     opt = make_optimizer(model, arm, lr_adamw, lr_geo)
-    base = [gr["lr"] for gr in opt.param_groups]
-    g = torch.Generator().manual_seed(seed)
-    curve = {"step": [], "val_loss": []}
-    t0 = time.perf_counter()
-    for step in range(args.steps + 1):
-        if step % args.eval_every == 0:
-            model.eval()
-            curve["step"].append(step)
-            curve["val_loss"].append(val_loss(model, val, args.n_ctx))
-            model.train()
-        if step == args.steps:
-            break
-        # linear warm-up over 5% of the steps, then cosine decay to 10%, for every group
-        w = min(1.0, (step + 1) / max(1, args.steps // 20))
-        c = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps))
-        for gr, b in zip(opt.param_groups, base):
-            gr["lr"] = b * w * c
-        x, y = batches(train, args.n_ctx, args.batch, g)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    # linear warm-up over 5% of the steps, then cosine decay to 10%, for every group
+    res = rr.train(model, train, val, rr.TrainConfig(
+        lr=lr_adamw, schedule="cosine", warmup_steps=max(1, args.steps // 20), min_lr_ratio=0.1, grad_clip=None,
+        steps=args.steps, batch_size=args.batch, eval_interval=args.eval_every, eval_max_examples=args.val_windows,
+        seed=seed), optimizer=opt)
+    curve = {"step": res.history["step"], "val_loss": res.history["val_loss"]}
     return {"arm": arm, "seed": seed, "lr_adamw": lr_adamw, "lr_geo": lr_geo, "curve": curve,
-            "final_val_loss": curve["val_loss"][-1], "wall_s": time.perf_counter() - t0}
+            "final_val_loss": curve["val_loss"][-1], "wall_s": res.train_time_s}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--module", default="argparse")
     ap.add_argument("--n-ctx", type=int, default=48)
     ap.add_argument("--d-model", type=int, default=32)
     ap.add_argument("--n-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=8)
     ap.add_argument("--n-layers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--val-windows", type=int, default=64, help="validation windows evaluated")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--adamw-grid", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1])
@@ -124,9 +91,8 @@ def main() -> None:
     ap.add_argument("--out", default="results/rank_factored.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    tokens, chars = rr.stdlib_char_corpus(args.module)
-    cut = int(0.9 * tokens.numel())
-    data = (tokens[:cut], tokens[cut:], len(chars))
+    train, val, info = rr.char_lm(block_size=args.n_ctx, val_fraction=0.1)
+    data = (train, val)
     t0 = time.perf_counter()
     runs, tuning = [], []
     bar = tqdm(total=len(args.adamw_grid) + (len(args.arms) - 1) * len(args.geo_grid)
@@ -156,7 +122,7 @@ def main() -> None:
     bar.close()
     out = {
         "experiment": "rank_factored",
-        "corpus": f"inspect.getsource({args.module}) ({tokens.numel()} characters, vocabulary {len(chars)})",
+        "corpus": f"{info['source']} ({info['n_chars']} characters, vocabulary {len(info['chars'])})",
         "args": vars(args),
         "best_lr": {a: {"lr_adamw": la, "lr_geo": lg} for a, (la, lg) in best.items()},
         "machine": {"python": platform.python_version(), "torch": torch.__version__,

@@ -31,19 +31,20 @@ import torch.distributed as dist
 
 import riemannian_ref as rr
 
-MODES = ("euclidean", "riemannian", "fiber_bundle")
+MODES = rr.models.MODES
 
 
 @dataclass
 class TaskConfig:
-    name: str = "recall"  # "recall", "modadd" or "charlm"
+    name: str = "recall"  # "recall", "modular" or "charlm"
     vocab_size: int = 32  # recall
-    num_pairs: int = 8  # recall
+    n_pairs: int = 8  # recall
     seq_len: int = 32  # recall: sequence length; charlm: block size
     n_train: int = 4096  # recall
     n_val: int = 512  # recall
-    p: int = 59  # modadd
-    train_fraction: float = 0.4  # modadd
+    p: int = 59  # modular
+    op: str = "+"  # modular: "+", "-" or "/"
+    train_fraction: float = 0.4  # modular
 
 
 @dataclass
@@ -67,48 +68,25 @@ class RunConfig:
 def task_data(tc: TaskConfig, seed: int) -> tuple[rr.TaskData, rr.TaskData]:
     """Train and validation data of the task (identical on every rank)."""
     if tc.name == "recall":
-        return rr.make_task("recall", seed=seed, n_train=tc.n_train, n_val=tc.n_val,
-                            vocab_size=tc.vocab_size, num_pairs=tc.num_pairs, seq_len=tc.seq_len)
-    if tc.name == "modadd":
-        return rr.make_task("modadd", seed=seed, p=tc.p, train_fraction=tc.train_fraction)
+        return rr.data.make_task("recall", seed=seed, n_train=tc.n_train, n_val=tc.n_val,
+                                 vocab_size=tc.vocab_size, n_pairs=tc.n_pairs, seq_len=tc.seq_len)
+    if tc.name == "modular":
+        return rr.data.make_task("modular", seed=seed, p=tc.p, op=tc.op, train_fraction=tc.train_fraction)
     if tc.name == "charlm":
-        return rr.make_task("charlm", block_size=tc.seq_len)
-    raise ValueError(f"task must be one of 'recall', 'modadd', 'charlm', got {tc.name!r}")
+        return rr.data.make_task("charlm", block_size=tc.seq_len)
+    raise ValueError(f"task must be one of 'recall', 'modular', 'charlm', got {tc.name!r}")
 
 
-# Our generic size names and the spellings a model config may use for them.
-_ALIASES = {
-    "vocab_size": ("vocab_size",),
-    "block_size": ("block_size", "max_seq_len", "n_ctx", "seq_len", "max_len"),
-    "d_model": ("d_model", "n_embd", "width"),
-    "n_layers": ("n_layers", "n_layer", "depth"),
-    "n_heads": ("n_heads", "n_head"),
-    "metric_rank": ("metric_rank", "rank", "r"),
-    "mode": ("mode",),
-}
+def model_config(mc: ModelConfig, vocab_size: int, block_size: int) -> rr.FiberBundleConfig:
+    """The :class:`riemannian_ref.FiberBundleConfig` of the given mode and sizes (``extra`` passed through)."""
+    return rr.FiberBundleConfig(vocab_size=vocab_size, block_size=block_size, d_model=mc.d_model,
+                                n_layers=mc.n_layers, n_heads=mc.n_heads, metric_rank=mc.metric_rank,
+                                mode=mc.mode, **mc.extra)
 
 
 def build_model(mc: ModelConfig, vocab_size: int, block_size: int) -> torch.nn.Module:
     """A :class:`riemannian_ref.FiberBundleTransformer` of the given mode and sizes."""
-    if mc.mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mc.mode!r}")
-    if not hasattr(rr, "FiberBundleTransformer"):
-        raise RuntimeError("riemannian_ref.FiberBundleTransformer is not available (riemannian_ref/model.py)")
-    names = {f.name for f in dataclasses.fields(rr.FiberBundleConfig)}
-    want = {"vocab_size": vocab_size, "block_size": block_size, "d_model": mc.d_model,
-            "n_layers": mc.n_layers, "n_heads": mc.n_heads, "metric_rank": mc.metric_rank, "mode": mc.mode}
-    kw = {}
-    for key, val in want.items():
-        hit = [a for a in _ALIASES[key] if a in names]
-        if hit:
-            kw[hit[0]] = val
-        elif key in ("vocab_size", "mode"):
-            raise RuntimeError(f"FiberBundleConfig has no field for {key}; fields: {sorted(names)}")
-    unknown = set(mc.extra) - names
-    if unknown:
-        raise ValueError(f"model.extra names fields FiberBundleConfig lacks: {sorted(unknown)}")
-    kw.update(mc.extra)
-    return rr.FiberBundleTransformer(rr.FiberBundleConfig(**kw))
+    return rr.FiberBundleTransformer(model_config(mc, vocab_size, block_size))
 
 
 def _merge(dc, updates: dict):
@@ -132,16 +110,17 @@ def _merge(dc, updates: dict):
 def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="JSON file with {task: {...}, model: {...}, train: {...}}")
-    ap.add_argument("--task", choices=("recall", "modadd", "charlm"))
+    ap.add_argument("--task", choices=("recall", "modular", "charlm"))
     ap.add_argument("--mode", choices=MODES)
     ap.add_argument("--d-model", type=int)
     ap.add_argument("--n-layers", type=int)
     ap.add_argument("--n-heads", type=int)
     ap.add_argument("--metric-rank", type=int)
     ap.add_argument("--vocab-size", type=int, help="recall vocabulary")
-    ap.add_argument("--num-pairs", type=int, help="recall key-value pairs")
+    ap.add_argument("--n-pairs", type=int, help="recall key-value pairs")
     ap.add_argument("--seq-len", type=int, help="recall sequence length / charlm block size")
-    ap.add_argument("--p", type=int, help="modadd modulus")
+    ap.add_argument("--p", type=int, help="modular modulus")
+    ap.add_argument("--op", choices=("+", "-", "/"), help="modular operation")
     ap.add_argument("--optimizer", choices=("adamw", "sgd"))
     ap.add_argument("--lr", type=float)
     ap.add_argument("--weight-decay", type=float)
@@ -164,7 +143,8 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     if a.config:
         with open(a.config) as f:
             cfg = _merge(cfg, json.load(f))
-    task = {"name": a.task, "vocab_size": a.vocab_size, "num_pairs": a.num_pairs, "seq_len": a.seq_len, "p": a.p}
+    task = {"name": a.task, "vocab_size": a.vocab_size, "n_pairs": a.n_pairs, "seq_len": a.seq_len, "p": a.p,
+            "op": a.op}
     model = {"mode": a.mode, "d_model": a.d_model, "n_layers": a.n_layers, "n_heads": a.n_heads,
              "metric_rank": a.metric_rank}
     train = {"optimizer": a.optimizer, "lr": a.lr, "weight_decay": a.weight_decay, "schedule": a.schedule,
