@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import riemannian_ref as rr
+import riemannian_ref.analysis as rr  # riemannian_ref.analysis.intrinsic (and energy_effective_rank)
 
 F64 = torch.float64
 
@@ -74,26 +74,6 @@ def test_fit_reaches_the_bound_and_recovers_rank(gen):
     assert len(full["steps"]) == len(full["loss"]) == len(full["erank"])
 
 
-def test_recall_batch_answers_are_in_context(gen):
-    k, v, q, a = rr.recall_batch(50, 6, 20, 9, generator=gen)
-    assert k.shape == v.shape == (50, 6) and q.shape == a.shape == (50,)
-    assert all(len(set(row.tolist())) == 6 for row in k)  # distinct keys
-    hit = k == q.unsqueeze(1)
-    assert (hit.sum(1) == 1).all()
-    assert torch.equal(v[hit], a)
-
-
-@pytest.mark.parametrize("kind, metric_rank", [("euclidean", 0), ("riemannian", 0), ("riemannian", 2)])
-def test_recall_head_shapes_and_gradients(kind, metric_rank, gen):
-    torch.manual_seed(0)
-    m = rr.RecallHead(10, 7, 16, 3, kind=kind, metric_rank=metric_rank)
-    k, v, q, a = rr.recall_batch(4, 5, 10, 7, generator=gen)
-    logits = m(k, v, q)
-    assert logits.shape == (4, 7)
-    torch.nn.functional.cross_entropy(logits, a).backward()
-    assert m.W_q.weight.grad is not None and torch.isfinite(m.W_q.weight.grad).all()
-
-
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -104,8 +84,6 @@ def test_recall_head_shapes_and_gradients(kind, metric_rank, gen):
         (lambda: rr.kernel_attention(torch.zeros(2, 3, 4), torch.zeros(2, 5, 4), torch.zeros(4, 4), attention="cos"), "attention must be one of"),
         (lambda: rr.kernel_statistic(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)), "n >= d"),
         (lambda: rr.best_rank_risk(torch.zeros(3, 3), -1, 5), "r must be an int >= 0"),
-        (lambda: rr.recall_batch(2, 9, 5, 3), r"n_pairs must be in \[1, n_keys\]"),
-        (lambda: rr.RecallHead(4, 4, 8, 2, kind="cosine"), "kind must be"),
     ],
 )
 def test_bad_inputs(call, match):
