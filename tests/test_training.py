@@ -1,5 +1,7 @@
-"""Tasks and the training loop: invariants of the generators, determinism,
-exact resumption, two-process DDP, and errors for bad configurations."""
+"""The one training loop: schedule, determinism, exact resumption, caller-built optimisers,
+full batch, two-process DDP, the command line, and errors for bad configurations.
+
+The task generators are tested in test_data.py."""
 import math
 import os
 import socket
@@ -11,6 +13,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import riemannian_ref as rr
+from riemannian_ref import data
+from riemannian_ref.training import lr_at, masked_cross_entropy
 
 
 class TinyLM(nn.Module):
@@ -34,77 +38,12 @@ class TinyLM(nn.Module):
 
 
 def _recall(seed=0):
-    return rr.make_task("recall", seed=seed, n_train=256, n_val=64, vocab_size=16, num_pairs=3, seq_len=12)
+    return data.make_task("recall", seed=seed, n_train=256, n_val=64, vocab_size=16, n_pairs=3, seq_len=12)
 
 
 def _model(seed=0, vocab=16, n=12):
     torch.manual_seed(seed)
     return TinyLM(vocab, n)
-
-
-# ---- task generators ------------------------------------------------------
-
-@pytest.mark.parametrize("V,N,n", [(16, 3, 12), (64, 8, 32), (64, 32, 66)])
-def test_recall_answers_are_determined_by_context(V, N, n):
-    d = rr.associative_recall(200, vocab_size=V, num_pairs=N, seq_len=n, seed=3)
-    assert d.x.shape == (200, n) and d.x.min() >= 0 and d.x.max() < V
-    keys, values = d.x[:, 0:2 * N:2], d.x[:, 1:2 * N:2]
-    assert (keys < V // 2).all() and (values >= V // 2).all()
-    # keys are distinct within each sequence, so a key names one value
-    assert (keys.sort(dim=1).values.diff(dim=1) > 0).all()
-    assert d.mask.sum(dim=1).eq((n - 2 * N) // 2).all()
-    assert not d.mask[:, :2 * N].any()
-    for b in range(20):
-        table = dict(zip(keys[b].tolist(), values[b].tolist()))
-        for t in d.mask[b].nonzero().flatten().tolist():
-            q, a = d.x[b, t].item(), d.y[b, t].item()
-            assert table[q] == a and d.x[b, t + 1].item() == a
-
-
-def test_recall_deterministic_and_seed_dependent():
-    a = rr.associative_recall(50, seed=1)
-    b = rr.associative_recall(50, seed=1)
-    c = rr.associative_recall(50, seed=2)
-    assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
-    assert not torch.equal(a.x, c.x)
-
-
-@pytest.mark.parametrize("p,frac", [(7, 0.3), (13, 0.5), (97, 0.4)])
-def test_modular_addition_split(p, frac):
-    tr, va = rr.modular_addition(p, train_fraction=frac, seed=0)
-    assert len(tr) + len(va) == p * p and len(tr) == round(frac * p * p)
-    pairs = lambda d: {(int(a), int(b)) for a, b in d.x[:, :2].tolist()}  # noqa: E731
-    assert not pairs(tr) & pairs(va)
-    for d in (tr, va):
-        assert torch.equal(d.y[:, 2], (d.x[:, 0] + d.x[:, 1]) % p)
-        assert d.mask[:, 2].all() and d.mask.sum() == len(d)
-        assert (d.x[:, 2] == p).all() and d.vocab_size == p + 1
-
-
-def test_char_lm_shift_and_heldout_split():
-    text = rr.stdlib_docstring_text()
-    tr, va, info = rr.char_lm(block_size=32, text=text)
-    assert len(text) > 50_000 and len(info["chars"]) == tr.vocab_size == len(set(text))
-    assert torch.equal(tr.x[:, 1:], tr.y[:, :-1])  # y is x shifted by one
-    assert tr.mask.all() and len(va) > 0
-    decode = lambda ids: "".join(info["chars"][i] for i in ids.tolist())  # noqa: E731
-    cut = len(text) - int(0.1 * len(text))
-    # training windows lie before the cut, validation windows after it
-    assert decode(tr.x[0]) == text[:32] and decode(tr.y[-1]) in text[:cut]
-    assert decode(va.x[0]) == text[cut:cut + 32]
-    assert text[cut - 100:cut] not in decode(va.x.flatten())
-
-
-@pytest.mark.parametrize("kw", [dict(vocab_size=15), dict(num_pairs=40, vocab_size=64),
-                                dict(seq_len=16, num_pairs=8), dict(seq_len=33)])
-def test_recall_bad_arguments(kw):
-    with pytest.raises(ValueError):
-        rr.associative_recall(4, **kw)
-
-
-def test_make_task_unknown():
-    with pytest.raises(ValueError, match="task must be one of"):
-        rr.make_task("sorting")
 
 
 # ---- training loop --------------------------------------------------------
@@ -117,12 +56,12 @@ def _cfg(**kw):
 
 def test_schedule_shape():
     c = rr.TrainConfig(lr=1.0, steps=100, warmup_steps=10, min_lr_ratio=0.1)
-    lrs = [rr.lr_at(s, c) for s in range(100)]
+    lrs = [lr_at(s, c) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert lrs[-1] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     c2 = rr.TrainConfig(lr=0.5, steps=50, schedule="constant")
-    assert {rr.lr_at(s, c2) for s in range(50)} == {0.5}
+    assert {lr_at(s, c2) for s in range(50)} == {0.5}
 
 
 def test_training_learns_and_history_is_complete():
@@ -183,10 +122,91 @@ def test_masked_loss_ignores_unscored_positions(gen):
     mask = torch.tensor([[0, 1, 0, 0, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
     other = logits.clone()
     other[~mask] = 100.0
-    a = rr.masked_cross_entropy(logits, y, mask)
-    assert torch.equal(a, rr.masked_cross_entropy(other, y, mask))
+    a = masked_cross_entropy(logits, y, mask)
+    assert torch.equal(a, masked_cross_entropy(other, y, mask))
     manual = -torch.log_softmax(logits, -1)[mask].gather(1, y[mask][:, None]).mean()
     assert torch.allclose(a, manual.float())
+
+
+def test_caller_built_optimizer_keeps_each_groups_peak_rate_under_the_schedule():
+    """StiefelAdam with the frames at their own rate: the schedule scales each group's own peak."""
+    tr, va = _recall()
+    torch.manual_seed(0)
+    model = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(mode="euclidean", qk_init="orthonormal",
+                                                                block_size=12))
+    frames = model.qk_frame_parameters()
+    ids = {id(p) for p in frames}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    opt = rr.StiefelAdam([{"params": frames, "stiefel": True, "lr": 2e-2},
+                          {"params": rest, "lr": 5e-3, "weight_decay": 0.1}], lr=1e-4)
+    seen = []
+    step = opt.step
+
+    def recording_step(*args, **kw):
+        seen.append([g["lr"] for g in opt.param_groups])
+        return step(*args, **kw)
+
+    opt.step = recording_step
+    cfg = _cfg(lr=1e-3, steps=8, warmup_steps=2, eval_interval=4)  # config lr: only the schedule's shape
+    before = [p.detach().clone() for p in frames]
+    res = rr.train(model, tr, va, cfg, optimizer=opt)
+    assert len(seen) == 8
+    for s, lrs in enumerate(seen):
+        factor = lr_at(s, cfg) / cfg.lr
+        assert lrs == pytest.approx([2e-2 * factor, 5e-3 * factor], rel=1e-12), s
+    assert seen[1] == pytest.approx([2e-2, 5e-3])  # the peak, at the end of the warm-up
+    assert res.history["lr"] == pytest.approx([2e-2 * lr_at(max(t - 1, 0), cfg) / cfg.lr
+                                               for t in res.history["step"]])  # the first group's rate
+    # the caller's optimiser did the steps: the frames moved and stayed orthonormal
+    eye = torch.eye(model.config.qk_dim)
+    for W, W0 in zip(frames, before):
+        assert (W - W0).abs().max() > 1e-4
+        torch.testing.assert_close(W.transpose(-1, -2) @ W, eye.expand(W.shape[0], -1, -1), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="optimizer must be a torch.optim.Optimizer"):
+        rr.train(model, tr, va, cfg, optimizer="adamw")
+
+
+class _Recording(nn.Module):
+    """Records the inputs of its training-mode forwards."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.inputs = inner, []
+
+    def forward(self, idx):
+        if self.training:
+            self.inputs.append(idx.clone())
+        return self.inner(idx)
+
+
+def test_full_batch_uses_every_example_in_order_at_every_step():
+    tr, va = _recall()
+    tr = tr.subset(slice(0, 40))
+    rec = _Recording(_model())
+    res = rr.train(rec, tr, va, _cfg(batch_size=None, steps=5, eval_interval=5))
+    assert res.steps_done == 5 and len(rec.inputs) == 5
+    assert all(torch.equal(x, tr.x) for x in rec.inputs)
+    # the batch-order seed plays no part: another seed gives the same weights
+    m1, m2 = _model(), _model()
+    rr.train(m1, tr, va, _cfg(batch_size=None, steps=5, eval_interval=5, seed=0))
+    rr.train(m2, tr, va, _cfg(batch_size=None, steps=5, eval_interval=5, seed=7))
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+    # while with minibatches it does
+    m3, m4 = _model(), _model()
+    rr.train(m3, tr, va, _cfg(batch_size=8, steps=5, eval_interval=5, seed=0))
+    rr.train(m4, tr, va, _cfg(batch_size=8, steps=5, eval_interval=5, seed=7))
+    assert not all(torch.equal(a, b) for a, b in zip(m3.state_dict().values(), m4.state_dict().values()))
+
+
+def test_model_returning_a_fiber_bundle_output_trains():
+    """FiberBundleTransformer returns a named tuple; the loop reads its logits."""
+    tr, va = _recall()
+    torch.manual_seed(0)
+    model = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(block_size=12))
+    res = rr.train(model, tr, va, _cfg(steps=30, eval_interval=30, lr=1e-2))
+    ev = rr.evaluate(model, va)
+    assert res.final["val_loss"] == pytest.approx(ev["loss"]) and res.final["val_accuracy"] == ev["accuracy"]
+    assert res.history["val_loss"][-1] < res.history["val_loss"][0]
 
 
 # ---- two processes, gloo ----------------------------------------------------
@@ -240,7 +260,7 @@ def _train_script():
 def test_train_script_result_and_resume(tmp_path, mode):
     script = _train_script()
     args = ["--task", "recall", "--mode", mode, "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
-            "--vocab-size", "16", "--num-pairs", "3", "--seq-len", "12", "--steps", "6", "--eval-interval", "3",
+            "--vocab-size", "16", "--n-pairs", "3", "--seq-len", "12", "--steps", "6", "--eval-interval", "3",
             "--batch-size", "8", "--device", "cpu", "--no-progress", "--checkpoint", str(tmp_path / "c.pt")]
     full = script.main(args + ["--out", str(tmp_path / "full.json"), "--checkpoint", str(tmp_path / "f.pt")])
     script.main(args + ["--out", str(tmp_path / "part.json"), "--stop-at-step", "4"])
@@ -255,9 +275,9 @@ def test_train_script_result_and_resume(tmp_path, mode):
 def test_train_script_config_file_and_bad_keys(tmp_path):
     script = _train_script()
     good = tmp_path / "cfg.json"
-    good.write_text('{"task": {"name": "modadd", "p": 7}, "train": {"lr": 0.01, "steps": 3}}')
+    good.write_text('{"task": {"name": "modular", "p": 7}, "train": {"lr": 0.01, "steps": 3}}')
     cfg, _ = script.parse_args(["--config", str(good), "--steps", "5"])
-    assert cfg.task.name == "modadd" and cfg.task.p == 7 and cfg.train.lr == 0.01 and cfg.train.steps == 5
+    assert cfg.task.name == "modular" and cfg.task.p == 7 and cfg.train.lr == 0.01 and cfg.train.steps == 5
     bad = tmp_path / "bad.json"
     bad.write_text('{"train": {"learning_rate": 0.01}}')
     with pytest.raises(ValueError, match="learning_rate"):
