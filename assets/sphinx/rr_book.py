@@ -1,14 +1,22 @@
 """Sphinx extension with the book's small fixes to its toolchain.
 
-1. Cross-references to package names, wherever they are defined. The API
-   reference documents each object where it is defined
-   (``riemannian_ref.scores.riemannian_scores``), while docstrings and
-   chapters naturally write the name users import
-   (``riemannian_ref.riemannian_scores``, ``rr.riemannian_scores``) or a bare
-   name from another module (``LowRankMetric`` in a docstring of
-   ``geodesics``). When such a Python reference finds no target, look the
-   name up in the package and retry with the object's defining module, so the
-   link lands on its entry in the API reference.
+1. Cross-references to package names, whatever path they are written with.
+   The API reference documents the curated names where users import them
+   (``riemannian_ref.riemannian_scores``, the names of ``riemannian_ref.__all__``),
+   while docstrings and chapters write the defining module's path
+   (``riemannian_ref.geometry.scores.riemannian_scores``), the alias
+   (``rr.riemannian_scores``) or a bare name from another module
+   (``LowRankMetric`` in a docstring of ``geodesics``). When such a Python
+   reference finds no target, look the object up and retry with the
+   curated name it is exported as (methods and attributes included), so the
+   link lands on its entry in the API reference. A reference to a real
+   object of the package that the reference does not document (a helper
+   reached through its subpackage) renders as code, without a link; a name
+   that exists nowhere still warns.
+
+4. "Seen in": every entry of the API reference ends with the chapters that
+   use the name (``rr.NAME`` in a chapter's source), found when the build
+   starts, so the list cannot drift from the book.
 
 2. Shapes in type fields stay text. Napoleon turns ``x : Tensor, shape
    [..., n, d]`` under an *Attributes* (or *Parameters*) heading into a type
@@ -33,43 +41,75 @@ from __future__ import annotations
 import importlib
 import re
 import sys
+from pathlib import Path
 
 PACKAGE = "riemannian_ref"
 ALIASES = {PACKAGE, "rr"}  # `import riemannian_ref as rr` in every chapter
 _NOT_A_CLASS = re.compile(r"^(?:[A-Za-z]|[a-z_]\w*|.*[^\w.].*)$")  # n, shape, int64, "a phrase"
 
 
-def _canonical(target: str) -> str | None:
-    """``riemannian_ref.X``, ``rr.X`` or a bare ``X`` -> ``riemannian_ref.module.X``."""
+def _lookup(target: str):
+    """``riemannian_ref.X.Y``, ``rr.X.Y`` or a bare ``X.Y`` -> (object, attribute path) or None."""
     parts = target.lstrip("~.").split(".")
     if parts[0] in ALIASES:
         parts = parts[1:]
     if not parts or not all(p.isidentifier() for p in parts):
         return None
     try:
-        obj = importlib.import_module(PACKAGE)
+        pkg = importlib.import_module(PACKAGE)
     except ImportError:
         return None
+    obj = pkg
     for name in parts:
         obj = getattr(obj, name, None)
         if obj is None:
-            return None
-    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if not module or not qualname or not module.startswith(PACKAGE + "."):
+            break
+    if obj is not None:
+        return obj, parts
+    # a bare name defined in some subpackage (``LowRankMetric`` in a docstring)
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith(PACKAGE + ".") and mod is not None and hasattr(mod, parts[0]):
+            obj = mod
+            for name in parts:
+                obj = getattr(obj, name, None)
+                if obj is None:
+                    break
+            if obj is not None:
+                return obj, [*mod_name.split(".")[1:], *parts]
+    return None
+
+
+def _curated_path(obj, parts: list[str]) -> str | None:
+    """The documented path of ``obj``: ``riemannian_ref.NAME[.member...]`` with NAME in ``__all__``."""
+    pkg = sys.modules.get(PACKAGE)
+    if pkg is None:
         return None
-    return f"{module}.{qualname}"
+    curated = {id(getattr(pkg, n)): n for n in getattr(pkg, "__all__", ())}
+    if id(obj) in curated:
+        return f"{PACKAGE}.{curated[id(obj)]}"
+    # a member of a curated class: Class.method
+    for i in range(len(parts) - 1, 0, -1):
+        holder = _lookup(".".join(parts[:i]))
+        if holder is not None and id(holder[0]) in curated:
+            return ".".join([PACKAGE, curated[id(holder[0])], *parts[i:]])
+    return None
 
 
 def _missing_reference(app, env, node, contnode):
     if node.get("refdomain") != "py":
         return None
     target = node.get("reftarget", "")
-    canonical = _canonical(target)
-    if canonical is not None and canonical != target:
-        found = env.get_domain("py").resolve_xref(env, node["refdoc"], app.builder,
-                                                  node["reftype"], canonical, node, contnode)
-        if found is not None:
-            return found
+    found_obj = _lookup(target)
+    if found_obj is not None:
+        obj, parts = found_obj
+        path = _curated_path(obj, parts)
+        if path is not None and path != target:
+            found = env.get_domain("py").resolve_xref(env, node["refdoc"], app.builder,
+                                                      node["reftype"], path, node, contnode)
+            if found is not None:
+                return found
+        if path is None:  # a real object the reference does not document: plain code
+            return contnode
     if target.split(".")[0] in sys.stdlib_module_names:
         return contnode
     # Docstring fields (napoleon's types) make refspecific references.
@@ -77,6 +117,34 @@ def _missing_reference(app, env, node, contnode):
             and _NOT_A_CLASS.match(target):
         return contnode
     return None
+
+
+_USES: dict[str, list[str]] = {}
+
+
+def _collect_uses(app):
+    """Which chapters use which curated name (``rr.NAME`` in a notebook or page source)."""
+    try:
+        pkg = importlib.import_module(PACKAGE)
+    except ImportError:
+        return
+    names = set(getattr(pkg, "__all__", ()))
+    root = Path(app.srcdir) / "chapters"
+    _USES.clear()
+    for path in sorted(root.glob("[0-9][0-9]_*")):
+        if path.suffix not in (".ipynb", ".md"):
+            continue
+        text = path.read_text(encoding="utf-8")
+        for name in sorted(set(re.findall(r"\brr\.(\w+)", text)) & names):
+            _USES.setdefault(name, []).append(f"/chapters/{path.stem}")
+
+
+def _seen_in(app, what, name, obj, options, lines):
+    short = name.split(".")[-1]
+    if name != f"{PACKAGE}.{short}" or short not in _USES:
+        return
+    docs = ", ".join(f":doc:`{d}`" for d in _USES[short])
+    lines.extend(["", f"*Seen in:* {docs}.", ""])
 
 
 def _dedupe_scripts(app, pagename, templatename, context, doctree):
@@ -96,6 +164,8 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree):
 
 def setup(app):
     app.connect("missing-reference", _missing_reference)
+    app.connect("builder-inited", _collect_uses)
+    app.connect("autodoc-process-docstring", _seen_in)
     # Late, after myst-nb and sphinx-thebe have added their scripts.
     app.connect("html-page-context", _dedupe_scripts, priority=900)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
