@@ -64,8 +64,16 @@ def check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q,
                          "query, key and value without enlarging it (one lam per head for inputs "
                          "[B, h, n, d] has shape [h])")
     attn_mask = check_mask(attn_mask, q.shape[-2], k.shape[-2], q)
-    if attn_mask is not None and torch.broadcast_shapes(batch, attn_mask.shape[:-2]) != batch:
+    if attn_mask is not None and not _broadcasts_to(attn_mask.shape[:-2], batch):
         raise ValueError(f"attn_mask batch dims {shape_str(attn_mask.shape[:-2])} must broadcast to the "
                          f"batch {shape_str(batch)} of query, key and value")
     return lam_t, scale, per_q, per_k, batch
 
+
+
+def _broadcasts_to(shape, batch) -> bool:
+    """Whether ``shape`` broadcasts to ``batch`` without enlarging it (False, not an error, if it does not broadcast)."""
+    try:
+        return torch.broadcast_shapes(batch, shape) == batch
+    except RuntimeError:
+        return False
