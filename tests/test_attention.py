@@ -1,9 +1,12 @@
-"""The blockwise Riemannian attention operator and its module.
+"""The blockwise Riemannian attention operator (riemannian_ref.attention.functional).
 
-Oracle: the dense definition ``riemannian_attention_reference``. The custom
-backward is gradchecked in float64 on small sizes with blocks smaller than
-the sequence, so tiles, online-softmax rescaling and causal block skipping
-are all exercised.
+Oracles: the dense definition ``riemannian_attention_reference`` and the plain
+blockwise algorithm ``blockwise_attention``. The custom backward is
+gradchecked in float64 on small sizes with blocks smaller than the sequence,
+so tiles, online-softmax rescaling and causal block skipping are all
+exercised. Randomised coverage of shapes, flags and dtypes is in
+test_attention_properties.py; the SDPA call convention in test_sdpa_compat.py;
+the attention module in test_attention_layer.py.
 """
 import math
 
@@ -12,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import riemannian_ref as rr
+from riemannian_ref.attention import functional
+from riemannian_ref.attention._blockwise import block_sizes_for
 
 F64 = torch.float64
 SIDES = ["key", "query", "mean"]
@@ -29,39 +34,61 @@ def make(gen, side, per_token=True, B=2, h=2, nq=5, nk=7, d=3, r=2, dv=4, dtype=
 
 
 def masks(gen, kind, nq, nk, B=2, h=2, dtype=F64):
-    """None, a boolean mask with a fully masked row, an additive float mask, or causal."""
+    """None, a boolean mask with a fully masked row, an additive float mask, causal, or mask + causal."""
     if kind == "none":
         return None, False
     if kind == "causal":
         return None, True
     keep = torch.rand(B, 1, nq, nk, generator=gen) > 0.4
-    keep[:, :, 1] = False  # a fully masked row
-    keep[:, :, 0, 0] = True
+    keep[..., 0] = True  # every row sees key 0 (as a causal row does) ...
+    keep[:, :, 1] = False  # ... but one, fully masked
     if kind == "bool":
         return keep, False
+    if kind == "bool+causal":
+        return keep, True
     return torch.zeros(B, 1, nq, nk, dtype=dtype).masked_fill(~keep, float("-inf")) + 0.3, False
+
+
+def call(fn, q, k, v, Uq, Uk, **kw):
+    return fn(q, k, v, U_q=Uq, U_k=Uk, **kw)
 
 
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("per_token", [True, False])
-@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "causal"])
-def test_forward_matches_reference_f64(gen, side, per_token, mask_kind):
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "causal", "bool+causal"])
+def test_forward_matches_reference_and_plain_blockwise_f64(gen, side, per_token, mask_kind):
     q, k, v, Uq, Uk, lam = make(gen, side, per_token)
     mask, causal = masks(gen, mask_kind, 5, 7)
     kw = dict(lam=lam, metric_side=side, attn_mask=mask, is_causal=causal)
-    out = rr.riemannian_attention(q, k, v, Uq, Uk, block_sizes=(2, 3), **kw)
-    ref = rr.riemannian_attention_reference(q, k, v, Uq, Uk, **kw)
+    out = call(rr.riemannian_attention, q, k, v, Uq, Uk, block_sizes=(2, 3), **kw)
+    ref = call(rr.riemannian_attention_reference, q, k, v, Uq, Uk, **kw)
+    plain = call(rr.blockwise_attention, q, k, v, Uq, Uk, block_sizes=(2, 3), **kw)
     assert out.shape == (2, 2, 5, 4)
     torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-11)
-    if mask_kind in ("bool", "float"):
-        assert (out[:, :, 1] == 0).all()  # fully masked row: exactly 0
+    torch.testing.assert_close(plain, ref, rtol=1e-11, atol=1e-11)
+    if mask_kind in ("bool", "float", "bool+causal"):
+        assert (out[:, :, 1] == 0).all() and (plain[:, :, 1] == 0).all()  # fully masked row: exactly 0
+    assert (ref.abs() > 1e-3).any()
+
+
+def test_mask_and_causal_together_apply_both(gen):
+    """is_causal with an attn_mask (SDPA refuses the pair): both masks apply, as one combined bool mask."""
+    q, k, v, _, Uk, lam = make(gen, "key", nq=6, nk=6)
+    keep = torch.rand(2, 1, 6, 6, generator=gen) > 0.3
+    keep[..., 0] = True
+    both = rr.riemannian_attention(q, k, v, keep, 0.0, True, U_k=Uk, lam=lam, block_sizes=(2, 2))
+    combined = keep & torch.ones(6, 6, dtype=torch.bool).tril()
+    ref = rr.riemannian_attention_reference(q, k, v, combined, U_k=Uk, lam=lam)
+    torch.testing.assert_close(both, ref, rtol=1e-12, atol=1e-12)
+    only_mask = rr.riemannian_attention(q, k, v, keep, U_k=Uk, lam=lam)
+    assert (only_mask - both).abs().max() > 1e-3  # the causal part did something
 
 
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("per_token", [True, False])
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "causal"])
 def test_gradcheck(gen, side, per_token, mask_kind):
-    """fast_mode gradcheck (random directions); one full Jacobian check follows."""
+    """fast_mode gradcheck (random directions); full Jacobian checks follow."""
     B, h, nq, nk = 1, 2, 5, 6
     q, k, v, Uq, Uk, lam = make(gen, side, per_token, B=B, h=h, nq=nq, nk=nk, d=3, r=2, dv=2)
     mask, causal = masks(gen, mask_kind, nq, nk, B=B, h=h)
@@ -71,8 +98,8 @@ def test_gradcheck(gen, side, per_token, mask_kind):
         Us = list(Us)
         Uq_ = Us.pop(0) if side in ("query", "mean") else None
         Uk_ = Us.pop(0) if side in ("key", "mean") else None
-        return rr.riemannian_attention(q, k, v, Uq_, Uk_, lam=lam, metric_side=side, attn_mask=mask,
-                                       is_causal=causal, block_sizes=(2, 4))
+        return rr.riemannian_attention(q, k, v, mask, 0.0, causal, U_q=Uq_, U_k=Uk_, lam=lam, metric_side=side,
+                                       block_sizes=(2, 4))
 
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6, rtol=1e-5, fast_mode=True)
 
@@ -86,10 +113,20 @@ def test_gradcheck_mixed_shared_and_per_token_mean(gen):
     Uk = torch.randn(2, 5, 3, 1, generator=gen, dtype=F64, requires_grad=True)
     lam = torch.tensor(0.8, dtype=F64, requires_grad=True)
     f = lambda q, k, v, Uq, Uk, lam: rr.riemannian_attention(  # noqa: E731
-        q, k, v, Uq, Uk, lam=lam, metric_side="mean", block_sizes=(3, 2))
+        q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side="mean", block_sizes=(3, 2))
     assert torch.autograd.gradcheck(f, (q, k, v, Uq, Uk, lam), eps=1e-6, atol=1e-6, rtol=1e-5)  # full Jacobian
-    ref = rr.riemannian_attention_reference(q, k, v, Uq, Uk, lam=lam, metric_side="mean")
+    ref = rr.riemannian_attention_reference(q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side="mean")
     torch.testing.assert_close(f(q, k, v, Uq, Uk, lam), ref, rtol=1e-11, atol=1e-11)
+
+
+def test_gradcheck_float_mask_with_causal(gen):
+    """Full Jacobian including the float mask (a learned bias), with causal blocks skipped."""
+    q, k, v, _, Uk, lam = make(gen, "key", B=1, h=2, nq=5, nk=5, d=2, r=1, dv=2)
+    bias = torch.randn(1, 2, 5, 5, generator=gen, dtype=F64)
+    ins = [t.requires_grad_() for t in (q, k, v, bias)]
+    f = lambda q, k, v, m: rr.riemannian_attention(q, k, v, m, 0.0, True, U_k=Uk, lam=lam,  # noqa: E731
+                                                   block_sizes=(2, 2))
+    assert torch.autograd.gradcheck(f, ins, eps=1e-6, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("side", SIDES)
@@ -98,12 +135,14 @@ def test_fully_masked_rows_have_zero_output_and_finite_gradients(gen, side):
     keep = torch.ones(4, 6, dtype=torch.bool)
     keep[2] = False
     leaves = [t.requires_grad_() for t in (q, k, v) + tuple(U for U in (Uq, Uk) if U is not None)]
-    out = rr.riemannian_attention(q, k, v, Uq, Uk, lam=lam, metric_side=side, attn_mask=keep, block_sizes=(2, 4))
+    out = call(rr.riemannian_attention, q, k, v, Uq, Uk, lam=lam, metric_side=side, attn_mask=keep,
+               block_sizes=(2, 4))
     assert (out[..., 2, :] == 0).all()
     out.square().sum().backward()
     for t in leaves:
         assert torch.isfinite(t.grad).all()
     assert (q.grad[..., 2, :] == 0).all()  # a dead row sends no gradient to its query
+    assert (q.grad[..., 0, :] != 0).any()
 
 
 @pytest.mark.parametrize("side", SIDES)
@@ -123,7 +162,7 @@ def test_float32_forward_and_gradients_match_reference(gen, side, mask_kind):
         Us = list(ins[4:])
         Uq_ = Us.pop(0) if side in ("query", "mean") else None
         Uk_ = Us.pop(0) if side in ("key", "mean") else None
-        out = fn(ins[0], ins[1], ins[2], Uq_, Uk_, **{**kw, "lam": ins[3]})
+        out = call(fn, ins[0], ins[1], ins[2], Uq_, Uk_, **{**kw, "lam": ins[3]})
         (out * g).sum().backward()
         res.append([out] + [t.grad for t in ins])
     for a, b in zip(*res):
@@ -132,10 +171,13 @@ def test_float32_forward_and_gradients_match_reference(gen, side, mask_kind):
 
 def test_causal_with_more_queries_than_keys_is_top_left_aligned(gen):
     q, k, v, _, Uk, lam = make(gen, "key", nq=7, nk=4)
-    out = rr.riemannian_attention(q, k, v, None, Uk, lam=lam, is_causal=True, block_sizes=(3, 2))
+    out = rr.riemannian_attention(q, k, v, is_causal=True, U_k=Uk, lam=lam, block_sizes=(3, 2))
     keep = torch.ones(7, 4, dtype=torch.bool).tril()
-    ref = rr.riemannian_attention_reference(q, k, v, None, Uk, lam=lam, attn_mask=keep)
+    ref = rr.riemannian_attention_reference(q, k, v, keep, U_k=Uk, lam=lam)
     torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-11)
+    # as SDPA: on these shapes the same mask (checked on the dot-product form with no metric)
+    sd = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(sd, F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
 
 
 def test_euclidean_reduces_to_sdpa_with_key_bias(gen):
@@ -144,8 +186,8 @@ def test_euclidean_reduces_to_sdpa_with_key_bias(gen):
     tau = math.sqrt(8)
     bias = (-(k * k).sum(-1) / (2 * tau)).unsqueeze(-2)  # (B, h, 1, n_k)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-    for U in (torch.zeros(2, 2, 11, 8, 3, dtype=F64), torch.zeros(2, 2, 11, 8, 0, dtype=F64)):
-        out = rr.riemannian_attention(q, k, v, None, U, lam=1.0, block_sizes=(4, 4))
+    for U in (torch.zeros(2, 2, 11, 8, 3, dtype=F64), torch.zeros(2, 2, 11, 8, 0, dtype=F64), None):
+        out = rr.riemannian_attention(q, k, v, U_k=U, lam=1.0, block_sizes=(4, 4))
         torch.testing.assert_close(out, sdpa, rtol=1e-12, atol=1e-12)
 
 
@@ -154,177 +196,216 @@ def test_shared_metric_reduces_to_dot_product_form(gen):
     U = torch.randn(2, 2, 8, 3, generator=gen, dtype=F64)
     Gq, key_bias = rr.dot_product_form(q, k, U, lam=lam)
     sdpa = F.scaled_dot_product_attention(Gq, k, v, attn_mask=key_bias, scale=1 / math.sqrt(8))
-    out = rr.riemannian_attention(q, k, v, None, U, lam=lam)
+    out = rr.riemannian_attention(q, k, v, U_k=U, lam=lam)
     torch.testing.assert_close(out, sdpa, rtol=1e-12, atol=1e-12)
 
 
 def test_batch_broadcasting_and_unbatched(gen):
     q, k, v, _, Uk, lam = make(gen, "key", B=1, h=3)
     Uk1 = Uk[:, :1]  # one metric set for all heads: broadcast over h
-    out = rr.riemannian_attention(q, k, v, None, Uk1, lam=lam[:1].expand(3).contiguous() * 0 + 1.2)
-    ref = rr.riemannian_attention_reference(q, k, v, None, Uk1, lam=1.2)
+    out = rr.riemannian_attention(q, k, v, U_k=Uk1, lam=torch.full((3,), 1.2, dtype=F64))
+    ref = rr.riemannian_attention_reference(q, k, v, U_k=Uk1, lam=1.2)
     torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-11)
-    out2 = rr.riemannian_attention(q[0, 0], k[0, 0], v[0, 0], None, Uk[0, 0])  # no batch dims
-    torch.testing.assert_close(out2, rr.riemannian_attention_reference(q[0, 0], k[0, 0], v[0, 0], None, Uk[0, 0]))
+    out2 = rr.riemannian_attention(q[0, 0], k[0, 0], v[0, 0], U_k=Uk[0, 0])  # no batch dims
+    torch.testing.assert_close(out2, rr.riemannian_attention_reference(q[0, 0], k[0, 0], v[0, 0], U_k=Uk[0, 0]))
+    # keys and values shared by every query batch (batch dims of size 1 broadcast)
+    q2 = torch.randn(4, 3, 5, 3, generator=gen, dtype=F64)
+    out3 = rr.riemannian_attention(q2, k, v, U_k=Uk, block_sizes=(2, 3))
+    torch.testing.assert_close(out3, rr.riemannian_attention_reference(q2, k.expand(4, -1, -1, -1),
+                                                                       v.expand(4, -1, -1, -1),
+                                                                       U_k=Uk.expand(4, -1, -1, -1, -1)))
+
+
+# ------------------------------------------------------------------ SDPA-like behaviour at the edges
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_zero_queries_return_an_empty_output_like_sdpa(gen, causal):
+    q = torch.randn(2, 3, 0, 4, generator=gen, dtype=F64, requires_grad=True)
+    k = torch.randn(2, 3, 5, 4, generator=gen, dtype=F64)
+    v = torch.randn(2, 3, 5, 6, generator=gen, dtype=F64)
+    sd = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    for fn in (rr.riemannian_attention, rr.riemannian_attention_reference):
+        out = fn(q, k, v, None, 0.0, causal, U_k=torch.randn(2, 3, 5, 4, 1, dtype=F64))
+        assert out.shape == sd.shape == (2, 3, 0, 6) and out.dtype == sd.dtype
+    out.sum().backward()  # differentiable, an empty gradient
+    assert q.grad.shape == q.shape
+
+
+def test_no_keys_is_a_clear_error(gen):
+    q = torch.randn(2, 3, 4, generator=gen)
+    k, v, U = torch.randn(2, 0, 4), torch.randn(2, 0, 5), torch.randn(2, 0, 4, 1)
+    for fn in (rr.riemannian_attention, rr.riemannian_attention_reference, rr.blockwise_attention):
+        with pytest.raises(ValueError, match="key must hold at least one key"):
+            fn(q, k, v, U_k=U)
+
+
+def test_double_backward_raises_a_clear_error(gen):
+    q, k, v, _, Uk, lam = make(gen, "key")
+    q.requires_grad_(True)
+    out = rr.riemannian_attention(q, k, v, U_k=Uk, lam=lam)
+    with pytest.raises(RuntimeError, match="no double backward"):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    (g,) = torch.autograd.grad(out.square().sum(), q)  # a plain backward is fine
+    assert torch.isfinite(g).all()
+    # the dense reference supports it (gradient penalties): second derivatives agree with a finite difference
+    ref = rr.riemannian_attention_reference(q, k, v, U_k=Uk, lam=lam)
+    (g_ref,) = torch.autograd.grad(ref.square().sum(), q, create_graph=True)
+    (h,) = torch.autograd.grad(g_ref.sum(), q)
+    assert torch.isfinite(h).all() and h.abs().max() > 0
+
+
+def test_float_mask_gradient_equals_dense_path_and_sdpa(gen):
+    """A learned additive bias trains through the blockwise operator: dL/dmask as the dense path and SDPA."""
+    B, h, n, d = 2, 3, 9, 4
+    q = torch.randn(B, h, n, d, generator=gen, dtype=F64)
+    k = torch.randn(B, h, n, d, generator=gen, dtype=F64)
+    v = torch.randn(B, h, n, 5, generator=gen, dtype=F64)
+    w = torch.randn(B, h, n, 5, generator=gen, dtype=F64)
+    bias = (-0.5 / math.sqrt(d)) * (k * k).sum(-1).unsqueeze(-2)  # distance attention's key bias
+    for shape in [(B, h, n, n), (1, h, n, n), (B, 1, 1, n), (n, n)]:  # own shape, broadcast over the batch
+        m0 = 0.5 * torch.randn(*shape, generator=gen, dtype=F64)
+        grads = []
+        for path in ("blockwise", "dense", "sdpa"):
+            m = m0.clone().requires_grad_(True)
+            if path == "blockwise":
+                out = rr.riemannian_attention(q, k, v, m, block_sizes=(4, 3))
+            elif path == "dense":
+                out = rr.riemannian_attention_reference(q, k, v, m)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, m + bias)
+            (out * w).sum().backward()
+            assert m.grad.shape == m0.shape
+            grads.append(m.grad)
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(grads[0], grads[2], rtol=1e-10, atol=1e-12)
+        assert grads[0].abs().max() > 1e-3
+    # with is_causal and a metric as well, against the dense path
+    Uk = torch.randn(B, h, n, d, 2, generator=gen, dtype=F64)
+    m0 = torch.randn(B, 1, n, n, generator=gen, dtype=F64)
+    gs = []
+    for fn in (rr.riemannian_attention, rr.riemannian_attention_reference):
+        m = m0.clone().requires_grad_(True)
+        (fn(q, k, v, m, 0.0, True, U_k=Uk) * w).sum().backward()
+        gs.append(m.grad)
+    torch.testing.assert_close(gs[0], gs[1], rtol=1e-10, atol=1e-12)
+    assert (gs[0].triu(1) == 0).all()  # masked by causality: no gradient
+
+
+@pytest.mark.parametrize("shape", [(4, 1, 1), (2, 1, 1), (2, 2, 1, 1)])
+def test_a_lam_that_would_enlarge_the_batch_is_refused(gen, shape):
+    q, k, v, _, Uk, _ = make(gen, "key")  # batch [2, 2]: these lams broadcast with it, but enlarge it
+    lam = torch.full(shape, 0.7, dtype=F64)
+    for fn in (rr.riemannian_attention, rr.riemannian_attention_reference, rr.blockwise_attention):
+        with pytest.raises(ValueError, match=r"lam of shape .* must broadcast to the batch \[2, 2\]"):
+            fn(q, k, v, U_k=Uk, lam=lam)
+    # lams that fit the batch are fine: per head [2], per batch and head [2, 2]
+    for ok in (torch.full((2,), 0.7, dtype=F64), torch.full((2, 2), 0.7, dtype=F64)):
+        torch.testing.assert_close(rr.riemannian_attention(q, k, v, U_k=Uk, lam=ok),
+                                   rr.riemannian_attention(q, k, v, U_k=Uk, lam=0.7), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), -1.0, 0.0])
+def test_a_non_finite_or_non_positive_scale_is_refused(gen, scale):
+    q, k, v, _, Uk, _ = make(gen, "key")
+    for fn in (rr.riemannian_attention, rr.riemannian_attention_reference, rr.blockwise_attention):
+        with pytest.raises(ValueError, match="scale must be a finite positive"):
+            fn(q, k, v, U_k=Uk, scale=scale)
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(v=torch.zeros(2, 2, 6, 4, dtype=F64)), "v must"),
-    (dict(v=torch.zeros(2, 2, 7, 4)), "v has dtype"),
+    (dict(v=torch.zeros(2, 2, 6, 4, dtype=F64)), "value must"),
+    (dict(v=torch.zeros(2, 2, 7, 4)), "value has dtype"),
     (dict(Uk=torch.zeros(2, 2, 7, 4, 2, dtype=F64)), "U_k must"),
     (dict(attn_mask=torch.ones(5, 6, dtype=torch.bool)), "attn_mask"),
     (dict(attn_mask=torch.zeros(5, 7)), "attn_mask"),
     (dict(attn_mask=torch.ones(3, 2, 5, 7, dtype=torch.bool)), "attn_mask"),
+    (dict(attn_mask=torch.ones(2, 2, 2, 5, 7, dtype=torch.bool)), "attn_mask batch dims"),
     (dict(dropout_p=1.0), "dropout_p"),
+    (dict(is_causal=1), "is_causal"),
     (dict(lam=-1.0), "lam"),
     (dict(scale=0.0), "scale"),
     (dict(metric_side="both"), "metric_side"),
 ])
 def test_errors_name_the_argument(gen, bad, match):
     q, k, v, _, Uk, _ = make(gen, "key")
-    kw = dict(v=v, Uk=Uk, lam=1.0, attn_mask=None, dropout_p=0.0, scale=None, metric_side="key")
+    kw = dict(v=v, Uk=Uk, lam=1.0, attn_mask=None, dropout_p=0.0, scale=None, metric_side="key", is_causal=False)
     kw.update(bad)
     with pytest.raises(ValueError, match=match):
-        rr.riemannian_attention(q, k, kw["v"], None, kw["Uk"], lam=kw["lam"], attn_mask=kw["attn_mask"],
-                                dropout_p=kw["dropout_p"], scale=kw["scale"], metric_side=kw["metric_side"])
-
-
-def test_causal_and_mask_together_is_an_error(gen):
-    q, k, v, _, Uk, _ = make(gen, "key")
-    with pytest.raises(ValueError, match="attn_mask or is_causal"):
-        rr.riemannian_attention(q, k, v, None, Uk, attn_mask=torch.ones(5, 7, dtype=torch.bool), is_causal=True)
+        rr.riemannian_attention(q, k, kw["v"], kw["attn_mask"], kw["dropout_p"], kw["is_causal"], kw["scale"],
+                                U_k=kw["Uk"], lam=kw["lam"], metric_side=kw["metric_side"])
 
 
 def test_dropout_goes_through_the_reference_path(gen):
     """dropout_p > 0: seeded runs equal the dense reference; the mean over masks approaches p = 0."""
     q, k, v, _, Uk, lam = make(gen, "key", nq=4, nk=6)
     torch.manual_seed(0)
-    a = rr.riemannian_attention(q, k, v, None, Uk, lam=lam, dropout_p=0.3)
+    a = rr.riemannian_attention(q, k, v, None, 0.3, U_k=Uk, lam=lam)
     torch.manual_seed(0)
-    b = rr.riemannian_attention_reference(q, k, v, None, Uk, lam=lam, dropout_p=0.3)
+    b = rr.riemannian_attention_reference(q, k, v, None, 0.3, U_k=Uk, lam=lam)
     torch.testing.assert_close(a, b)
+    exact = rr.riemannian_attention(q, k, v, U_k=Uk, lam=lam)
+    assert (a - exact).abs().max() > 1e-3  # dropout did something
     torch.manual_seed(1)
-    mean = torch.stack([rr.riemannian_attention(q, k, v, None, Uk, lam=lam, dropout_p=0.3) for _ in range(400)]).mean(0)
-    exact = rr.riemannian_attention(q, k, v, None, Uk, lam=lam)
+    mean = torch.stack([rr.riemannian_attention(q, k, v, None, 0.3, U_k=Uk, lam=lam) for _ in range(400)]).mean(0)
     assert (mean - exact).abs().max() < 0.25  # unbiased: 1/(1-p) rescaling
 
 
 def test_autocast_bf16_runs_in_float32(gen):
     q, k, v, _, Uk, lam = make(gen, "key", dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = rr.riemannian_attention(q.bfloat16(), k, v, None, Uk, lam=lam.bfloat16())
+        out = rr.riemannian_attention(q.bfloat16(), k, v, U_k=Uk, lam=lam.bfloat16())
     assert out.dtype == torch.float32
-    ref = rr.riemannian_attention_reference(q.bfloat16().float(), k, v, None, Uk, lam=lam.bfloat16().float())
+    ref = rr.riemannian_attention_reference(q.bfloat16().float(), k, v, U_k=Uk, lam=lam.bfloat16().float())
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    out16 = rr.riemannian_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), None, Uk.bfloat16())
+    out16 = rr.riemannian_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), U_k=Uk.bfloat16())
     assert out16.dtype == torch.bfloat16  # no autocast: computed in float32, returned in the input dtype
+    ref16 = rr.riemannian_attention_reference(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(),
+                                              U_k=Uk.bfloat16().float())
+    torch.testing.assert_close(out16.float(), ref16, rtol=1e-2, atol=1e-2)
 
 
-# ------------------------------------------------------------------ the module
+# ------------------------------------------------------------------ grouped-query attention
 
-def cfg(**kw):
-    base = dict(d_model=16, n_heads=2, rank=2)
-    base.update(kw)
-    return rr.RiemannianAttentionConfig(**base)
-
-
-@pytest.mark.parametrize("side", SIDES)
-@pytest.mark.parametrize("shared", [False, True])
-def test_module_matches_reference_and_returns_weights(side, shared):
-    torch.manual_seed(0)
-    m = rr.RiemannianMultiheadAttention(cfg(metric_side=side, shared_metric=shared, learn_temperature=True))
-    with torch.no_grad():
-        m.log_temp.fill_(0.3)
-    x = torch.randn(3, 10, 16)
-    y = torch.randn(3, 7, 16)  # cross-attention, n_q != n_k
-    kpm = torch.zeros(3, 7, dtype=torch.bool)
-    kpm[0, 4:] = True
-    out, A = m(x, y, key_padding_mask=kpm)
-    assert A is None and out.shape == (3, 10, 16)
-    out2, A2 = m(x, y, key_padding_mask=kpm, need_weights=True)
-    torch.testing.assert_close(out, out2, rtol=1e-5, atol=1e-5)
-    assert A2.shape == (3, 2, 10, 7)
-    torch.testing.assert_close(A2.sum(-1), torch.ones(3, 2, 10))
-    assert (A2[0, :, :, 4:] == 0).all()
-    out.sum().backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters() if p.requires_grad)
-
-
-def test_module_rank0_equals_sdpa_with_key_bias():
-    torch.manual_seed(1)
-    m = rr.RiemannianMultiheadAttention(cfg(rank=0)).double()
-    with torch.no_grad():  # lam = 1 exactly in float64 (the float32 init rounds)
-        m.metric_k.rho.fill_(math.log(math.expm1(1.0 - m.cfg.lam_min)))
-    x = torch.randn(2, 9, 16, dtype=F64)
-    out, _ = m(x, is_causal=True)
-    B, n, h, d = 2, 9, 2, 8
-    q = m.q_proj(x).view(B, n, h, d).transpose(1, 2)
-    k = m.k_proj(x).view(B, n, h, d).transpose(1, 2)
-    v = m.v_proj(x).view(B, n, h, d).transpose(1, 2)
-    lam = m._lam().view(1, h, 1, 1)
-    torch.testing.assert_close(lam, torch.ones_like(lam))  # lam_init = 1
-    bias = -(k * k).sum(-1).unsqueeze(-2) / (2 * math.sqrt(d))
-    causal = torch.zeros(n, n, dtype=F64).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias + causal)
-    ref = m.out_proj(o.transpose(1, 2).reshape(B, n, 16))
-    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+@pytest.mark.parametrize("factor", ["none", "per_token", "per_token_all_heads", "shared"])
+def test_gqa_equals_explicitly_repeated_kv_heads(gen, factor):
+    B, hq, hk, n, d = 2, 6, 2, 7, 4
+    q = torch.randn(B, hq, n, d, generator=gen, dtype=F64, requires_grad=True)
+    k = torch.randn(B, hk, n, d, generator=gen, dtype=F64, requires_grad=True)
+    v = torch.randn(B, hk, n, 3, generator=gen, dtype=F64, requires_grad=True)
+    U = {"none": None,
+         "per_token": torch.randn(B, hk, n, d, 2, generator=gen, dtype=F64),
+         "per_token_all_heads": torch.randn(B, hq, n, d, 2, generator=gen, dtype=F64),  # already per query head
+         "shared": torch.randn(B, hk, d, 2, generator=gen, dtype=F64)}[factor]
+    lam = torch.rand(hq, generator=gen, dtype=F64) + 0.5
+    out = rr.riemannian_attention(q, k, v, None, 0.0, True, U_k=U, lam=lam, enable_gqa=True, block_sizes=(3, 2))
+    g = hq // hk
+    Ur = U if U is None or U.shape[1] == hq else U.repeat_interleave(g, dim=1)
+    ref = rr.riemannian_attention_reference(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), None, 0.0,
+                                            True, U_k=Ur, lam=lam)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(out.shape, generator=gen, dtype=F64)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    grads_ref = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, b in zip(grads, grads_ref):  # the repeated heads' gradients are summed back
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
+    if factor == "none":  # and SDPA's own GQA, with distance attention's key bias
+        bias = (-0.5 / math.sqrt(d)) * (k * k).sum(-1).repeat_interleave(g, 1).unsqueeze(-2)
+        causal = torch.zeros(n, n, dtype=F64).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        one = rr.riemannian_attention(q, k, v, None, 0.0, True, U_k=None, lam=1.0, enable_gqa=True)
+        sd = F.scaled_dot_product_attention(q, k, v, bias + causal, enable_gqa=True)
+        torch.testing.assert_close(one, sd, rtol=1e-12, atol=1e-12)
 
 
-def test_module_shared_metric_equals_dot_product_form():
-    torch.manual_seed(2)
-    m = rr.RiemannianMultiheadAttention(cfg(shared_metric=True, rank=3)).double()
-    x = torch.randn(2, 9, 16, dtype=F64)
-    out, _ = m(x)
-    B, n, h, d = 2, 9, 2, 8
-    q = m.q_proj(x).view(B, n, h, d).transpose(1, 2)
-    k = m.k_proj(x).view(B, n, h, d).transpose(1, 2)
-    v = m.v_proj(x).view(B, n, h, d).transpose(1, 2)
-    lam, _, U = m.metrics(x, x)
-    Gq, key_bias = rr.dot_product_form(q, k, U, lam=lam)
-    o = F.scaled_dot_product_attention(Gq, k, v, attn_mask=key_bias, scale=1 / math.sqrt(d))
-    torch.testing.assert_close(out, m.out_proj(o.transpose(1, 2).reshape(B, n, 16)), rtol=1e-10, atol=1e-10)
+def test_gqa_errors(gen):
+    q = torch.randn(2, 6, 5, 4, generator=gen)
+    k = torch.randn(2, 4, 5, 4, generator=gen)
+    with pytest.raises(ValueError, match="enable_gqa=True needs key and value"):
+        rr.riemannian_attention(q, k, k, enable_gqa=True)
+    with pytest.raises(ValueError, match=r"enable_gqa=True needs query of shape \[..., heads, n, d\]"):
+        rr.riemannian_attention(q[0, 0], k[0, 0], k[0, 0], enable_gqa=True)
 
 
-def test_module_cross_attention_metric_comes_from_each_side():
-    torch.manual_seed(3)
-    m = rr.RiemannianMultiheadAttention(cfg(metric_side="mean", kv_dim=12))
-    x, y = torch.randn(2, 5, 16), torch.randn(2, 8, 12)
-    lam, U_q, U_k = m.metrics(x, y)
-    assert U_q.shape == (2, 2, 5, 8, 2) and U_k.shape == (2, 2, 8, 8, 2)
-    out, _ = m(x, y)
-    assert out.shape == (2, 5, 16)
-    with pytest.raises(ValueError, match="key must"):
-        m(x, torch.randn(2, 8, 16))
-
-
-def test_module_errors():
-    with pytest.raises(ValueError, match="divisible"):
-        rr.RiemannianMultiheadAttention(cfg(d_model=15))
-    m = rr.RiemannianMultiheadAttention(cfg())
-    with pytest.raises(ValueError, match="query must"):
-        m(torch.randn(2, 5, 8))
-    with pytest.raises(ValueError, match="key_padding_mask"):
-        m(torch.randn(2, 5, 16), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool))
-
-
-def test_compiled_model_runs_and_matches():
-    """torch.compile (dynamo, graph break around the operator) gives the eager result and gradients.
-
-    The "eager" backend keeps this test fast; what can break is dynamo tracing the module.
-    """
-    torch.manual_seed(4)
-    m = rr.RiemannianMultiheadAttention(cfg())
-    x = torch.randn(2, 6, 16)
-    cm = torch.compile(m, backend="eager", fullgraph=False)  # dynamo tracing; inductor: see the docstring
-    out, _ = cm(x, is_causal=True)
-    ref, _ = m(x, is_causal=True)
-    torch.testing.assert_close(out, ref)
-    out.sum().backward()
-    g = m.q_proj.weight.grad.clone()
-    m.zero_grad()
-    ref.sum().backward()
-    torch.testing.assert_close(g, m.q_proj.weight.grad)
-
+# ------------------------------------------------------------------ block sizes, tiles
 
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("block_sizes", [None, (3, 4)])
@@ -338,8 +419,8 @@ def test_float32_rows_whose_scores_are_all_far_below_zero(is_causal, block_sizes
     S = rr.riemannian_scores(q, k, U_k=U)
     assert S.max() < -88
     q.requires_grad_(True)
-    out = rr.riemannian_attention(q, k, v, U_k=U, is_causal=is_causal, block_sizes=block_sizes)
-    ref = rr.riemannian_attention_reference(q, k, v, U_k=U, is_causal=is_causal)
+    out = rr.riemannian_attention(q, k, v, is_causal=is_causal, U_k=U, block_sizes=block_sizes)
+    ref = rr.riemannian_attention_reference(q, k, v, is_causal=is_causal, U_k=U)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     (g_out,) = torch.autograd.grad(out.sum(), q)
@@ -353,13 +434,13 @@ def test_float32_default_blocks_with_online_rescaling(gen, mask_kind):
     """Default blocks, several key blocks (online rescaling), float32, against the reference."""
     B, h, nq, nk, d, r = 1, 2, 300, 600, 8, 1
     q, k, v, _, Uk, lam = make(gen, "key", B=B, h=h, nq=nq, nk=nk, d=d, r=r, dv=4, dtype=torch.float32)
-    assert rr.attention_block_sizes(nq, nk, 1 + r)[1] < nk
+    assert block_sizes_for(nq, nk, 1 + r)[1] < nk
     mask, causal = masks(gen, mask_kind, nq, nk, B=B, h=h, dtype=torch.float32)
     kw = dict(lam=lam, attn_mask=mask, is_causal=causal)
     q.requires_grad_(True)
     Uk.requires_grad_(True)
-    out = rr.riemannian_attention(q, k, v, None, Uk, **kw)
-    ref = rr.riemannian_attention_reference(q, k, v, None, Uk, **kw)
+    out = rr.riemannian_attention(q, k, v, U_k=Uk, **kw)
+    ref = rr.riemannian_attention_reference(q, k, v, U_k=Uk, **kw)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
     g = torch.randn(out.shape, generator=gen)
     grads = torch.autograd.grad((out * g).sum(), (q, Uk))
@@ -371,23 +452,32 @@ def test_float32_default_blocks_with_online_rescaling(gen, mask_kind):
 def test_block_size_rules_and_errors(gen):
     # tiles of at most about 2**17 products per batch element, key blocks a multiple of 64
     for n, width in [(512, 2), (4096, 9), (1000, 5)]:
-        bq, bk = rr.attention_block_sizes(n, n, width)
+        bq, bk = block_sizes_for(n, n, width)
         assert bq * bk * width <= 1.5 * 2 ** 17 and bk % 64 == 0 and bk < n
-    assert rr.attention_block_sizes(1000, 1000, 17)[1] == 64  # the floor of 64 keys per block
-    assert rr.attention_block_sizes(40, 30, 3) == (40, 30)  # small problems: one tile
+    assert block_sizes_for(1000, 1000, 17)[1] == 64  # the floor of 64 keys per block
+    assert block_sizes_for(40, 30, 3) == (40, 30)  # small problems: one tile
     with pytest.raises(ValueError, match="width must be a positive int"):
-        rr.attention_block_sizes(8, 8, 0)
+        block_sizes_for(8, 8, 0)
     with pytest.raises(ValueError, match="n_k must be a positive int"):
-        rr.attention_block_sizes(8, 8.0, 2)
+        block_sizes_for(8, 8.0, 2)
     q, k, v, _, Uk, lam = make(gen, "key")
     for bad in [(2,), (0, 3), (2.0, 3), "23", (True, 3)]:
         with pytest.raises(ValueError, match="block_sizes must be a pair of positive ints"):
-            rr.riemannian_attention(q, k, v, None, Uk, block_sizes=bad)
+            rr.riemannian_attention(q, k, v, U_k=Uk, block_sizes=bad)
 
 
-def test_no_keys_is_a_clear_error(gen):
-    q = torch.randn(2, 3, 4, generator=gen)
-    k, v, U = torch.randn(2, 0, 4), torch.randn(2, 0, 5), torch.randn(2, 0, 4, 1)
-    for fn in (rr.riemannian_attention, rr.riemannian_attention_reference):
-        with pytest.raises(ValueError, match="k must hold at least one key"):
-            fn(q, k, v, None, U)
+def test_default_blocks_are_the_rule(gen, monkeypatch):
+    """Without block_sizes the operator uses block_sizes_for(n_q, n_k, 1 + r_k + r_q)."""
+    q, k, v, Uq, Uk, lam = make(gen, "mean", nq=5, nk=7, r=2)
+    seen = []
+    real = functional._RiemannianAttentionFn
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def apply(*args):
+            seen.append(args[12])
+            return real.apply(*args)
+
+    monkeypatch.setattr(functional, "_RiemannianAttentionFn", Spy)
+    rr.riemannian_attention(q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side="mean")
+    assert seen == [block_sizes_for(5, 7, 5)]
