@@ -1,6 +1,8 @@
-"""FiberBundleTransformer: shapes, reductions, causality, diagnostics, persistence, config errors."""
-import io
+"""FiberBundleTransformer: shapes, reductions, causality, diagnostics, save/load, config errors.
+
+The presets (tiny, small, attention_stack, grokking) are tested in test_presets.py."""
 import itertools
+import pickle
 import math
 
 import pytest
@@ -8,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import riemannian_ref as rr
+from riemannian_ref.attention.connections import CONNECTIONS
+from riemannian_ref.models import MODES, FiberBundleOutput
 
 B, N = 2, 12
 
@@ -25,9 +29,11 @@ def _idx(gen, vocab=16, n=N):
 ALL_VARIANTS = (
     [dict(mode="euclidean"), dict(mode="riemannian", metric_side="key"),
      dict(mode="riemannian", metric_side="query", metric_rank=0),
-     dict(mode="riemannian", metric_side="mean", stiefel_qk=True)]
+     dict(mode="riemannian", metric_side="mean", qk_init="orthonormal"),
+     dict(mode="riemannian", shared_metric=True, learn_temperature=True),
+     dict(mode="fiber_bundle", shared_metric=True, metric_side="mean", connection="flat")]
     + [dict(mode="fiber_bundle", connection=c, metric_side=s, precondition_ffn=p)
-       for c, s, p in itertools.product(rr.CONNECTIONS, ("key", "query", "mean"), (True, False))]
+       for c, s, p in itertools.product(CONNECTIONS, ("key", "query", "mean"), (True, False))]
 )
 
 
@@ -50,7 +56,10 @@ def test_shapes_loss_and_gradients(gen, kw):
     out.loss.backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
-    assert model(idx).shape == (B, N, model.config.vocab_size)
+    plain = model(idx)
+    assert isinstance(plain, FiberBundleOutput) and plain.loss is None and plain.hidden is None
+    assert plain.weights is None and plain.diagnostics is None
+    assert plain.logits.shape == (B, N, model.config.vocab_size)
 
 
 @pytest.mark.parametrize("kw", ALL_VARIANTS, ids=_id)
@@ -60,7 +69,7 @@ def test_causal_no_future_leak(gen, kw):
     t = 7
     idx2 = idx.clone()
     idx2[:, t:] = (idx2[:, t:] + 1 + torch.randint(0, 14, (B, N - t), generator=gen)) % 16
-    a, b = model(idx), model(idx2)
+    a, b = model(idx).logits, model(idx2).logits
     torch.testing.assert_close(b[:, :t], a[:, :t], rtol=0, atol=1e-12)
     assert (b[:, t:] - a[:, t:]).abs().max() > 1e-6
 
@@ -75,7 +84,7 @@ def test_riemannian_with_zero_metric_factors_is_euclidean_plus_key_bias(gen):
             blk.attn.metric.proj.weight.zero_()  # U = 0, lam = 1
     x = torch.randn(B, N, ri.config.d_model, generator=gen, dtype=torch.float64)
     a_eu, a_ri = eu.blocks[0].attn, ri.blocks[0].attn
-    d = ri.config.head_dim
+    d = ri.config.qk_dim
     _, k, _ = a_eu.project(x)
     bias = -0.5 * (k * k).sum(-1).unsqueeze(-2) / math.sqrt(d)  # (B, h, 1, n)
     gap = a_ri.scores(x) - (a_eu.scores(x) + bias)
@@ -85,7 +94,7 @@ def test_riemannian_with_zero_metric_factors_is_euclidean_plus_key_bias(gen):
     mask = torch.full((N, N), float("-inf"), dtype=x.dtype).triu(1) + bias
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     ref = a_eu.out_proj(ref.transpose(1, 2).reshape(B, N, -1))
-    torch.testing.assert_close(a_ri(x), ref)
+    torch.testing.assert_close(a_ri(x)[0], ref)
 
 
 def test_preconditioned_ffn_with_zero_factors_is_the_plain_ffn_scaled(gen):
@@ -96,26 +105,26 @@ def test_preconditioned_ffn_with_zero_factors_is_the_plain_ffn_scaled(gen):
     with torch.no_grad():
         blk.ffn_metric.proj.weight.zero_()  # G_x = 2 I, eta = 0.5: the step is FFN / 4
     x = torch.randn(B, N, fb.config.d_model, generator=gen, dtype=torch.float64)
-    y_att = x + ref.attn(ref.ln1(x))
-    torch.testing.assert_close(blk(x), y_att + 0.25 * ref.ffn(ref.ln2(y_att)))
+    y_att = x + ref.attn(ref.ln1(x))[0]
+    torch.testing.assert_close(blk(x)[0], y_att + 0.25 * ref.mlp(ref.ln2(y_att)))
 
 
 def test_preconditioned_ffn_is_a_dense_metric_solve(gen):
     fb = _model(mode="fiber_bundle", connection="flat", ffn_metric_rank=3)
     blk = fb.blocks[1]
     x = torch.randn(B, N, fb.config.d_model, generator=gen, dtype=torch.float64)
-    y = x + blk.attn(blk.ln1(x))
+    y = x + blk.attn(blk.ln1(x))[0]
     z = blk.ln2(y)
     lam, U = blk.ffn_metric(z)
     G = lam * torch.eye(fb.config.d_model, dtype=x.dtype) + U[:, 0] @ U[:, 0].transpose(-1, -2)  # (B, n, D, D)
-    step = torch.linalg.solve(G, blk.ffn(z).unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(blk(x), y + blk.eta * step)
+    step = torch.linalg.solve(G, blk.mlp(z).unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(blk(x)[0], y + blk.eta * step)
 
 
 def test_diagnostics_values(gen):
     idx = _idx(gen)
     diags = {}
-    for conn in rr.CONNECTIONS:
+    for conn in CONNECTIONS:
         out = _model(mode="fiber_bundle", connection=conn)(idx, return_diagnostics=True)
         diags[conn] = out.diagnostics
         L, h = 2, 2
@@ -140,35 +149,20 @@ def test_content_with_zero_rate_modulation_equals_flat(gen):
     missing, unexpected = content.load_state_dict(flat.state_dict(), strict=False)
     assert not unexpected and all(".attn.rates." in m for m in missing)
     idx = _idx(gen)
-    torch.testing.assert_close(content(idx), flat(idx))
-
-
-@pytest.mark.parametrize("kw", [dict(mode="euclidean"), dict(mode="fiber_bundle", connection="content"),
-                                dict(mode="riemannian", tie_weights=False)], ids=_id)
-def test_save_load_round_trip_gives_identical_logits(gen, kw):
-    model = _model(seed=3, dtype=torch.float32, **kw)
-    buf = io.BytesIO()
-    torch.save({"config": model.config.__dict__, "state": model.state_dict()}, buf)
-    buf.seek(0)
-    blob = torch.load(buf, weights_only=True)
-    torch.manual_seed(99)  # a different init, overwritten by the load
-    clone = rr.FiberBundleTransformer(rr.FiberBundleConfig(**blob["config"])).eval()
-    clone.load_state_dict(blob["state"])
-    idx = _idx(gen)
-    assert torch.equal(clone(idx), model(idx))
+    torch.testing.assert_close(content(idx).logits, flat(idx).logits)
 
 
 @pytest.mark.parametrize("stiefel", [True, False])
 def test_stiefel_frames_at_init(stiefel):
-    model = _model(dtype=torch.float32, stiefel_qk=stiefel, n_layers=3)
+    model = _model(dtype=torch.float32, qk_init="orthonormal" if stiefel else "normal", n_layers=3)
     frames = model.qk_frame_parameters()
     cfg = model.config
     assert len(frames) == 2 * cfg.n_layers
     names = {id(p) for p in frames}
     assert all(id(p) in names for blk in model.blocks for p in (blk.attn.w_q, blk.attn.w_k))
-    eye = torch.eye(cfg.head_dim)
+    eye = torch.eye(cfg.qk_dim)
     for W in frames:
-        assert W.shape == (cfg.n_heads, cfg.d_model, cfg.head_dim)
+        assert W.shape == (cfg.n_heads, cfg.d_model, cfg.qk_dim)
         gram = W.transpose(-1, -2) @ W
         if stiefel:
             torch.testing.assert_close(gram, eye.expand_as(gram), rtol=0, atol=1e-5)  # float32 QR
@@ -177,7 +171,7 @@ def test_stiefel_frames_at_init(stiefel):
 
 
 def test_parameter_counts_and_matched_width():
-    for mode in rr.MODES:
+    for mode in MODES:
         cfg = rr.FiberBundleConfig.tiny(mode=mode)
         model = rr.FiberBundleTransformer(cfg)
         counts = rr.count_parameters(model)
@@ -193,7 +187,7 @@ def test_parameter_counts_and_matched_width():
     matched = rr.match_width(fb, target)
     gap = abs(rr.count_parameters(matched)["total"] - target)
     assert matched.d_model < fb.d_model and gap < abs(rr.count_parameters(fb)["total"] - target)
-    flops = {m: rr.estimate_flops(rr.FiberBundleConfig.small(mode=m))["total"] for m in rr.MODES}
+    flops = {m: rr.estimate_flops(rr.FiberBundleConfig.small(mode=m))["total"] for m in MODES}
     assert flops["euclidean"] < flops["riemannian"] < flops["fiber_bundle"]
 
 
@@ -225,8 +219,101 @@ def test_config_errors(kw, match):
 def test_odd_head_dim_is_fine_without_rotations_and_input_errors(gen):
     rr.FiberBundleConfig.tiny(d_model=36, n_heads=4, mode="fiber_bundle", connection="trivial")
     rr.FiberBundleConfig.tiny(d_model=36, n_heads=4, mode="riemannian")
-    model = _model(dtype=torch.float32)
-    with pytest.raises(ValueError, match="block_size"):
+    model = _model(dtype=torch.float32, mode="euclidean")  # learned positions: block_size of them
+    with pytest.raises(ValueError, match="exceeds block_size = 32"):
         model(_idx(gen, n=40))
-    with pytest.raises(ValueError, match="idx"):
+    with pytest.raises(ValueError, match="idx must be"):
         model(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"idx must hold token ids in \[0, vocab_size\)"):
+        model(torch.full((2, 3), 16))
+    with pytest.raises(ValueError, match="give exactly one of idx"):
+        model()
+    with pytest.raises(ValueError, match="targets must have shape"):
+        model(_idx(gen), targets=_idx(gen, n=5))
+
+
+# ------------------------------------------------------------------ save / load with the config
+
+SAVE_VARIANTS = [dict(mode="euclidean"), dict(mode="fiber_bundle", connection="content"),
+                 dict(mode="riemannian", tie_weights=False, shared_metric=True)]
+
+
+@pytest.mark.parametrize("kw", SAVE_VARIANTS, ids=_id)
+def test_save_load_rebuilds_an_identical_model(gen, tmp_path, kw):
+    model = _model(seed=3, dtype=torch.float32, **kw)
+    path = tmp_path / "m.pt"
+    model.save(path)
+    torch.manual_seed(99)  # load builds a fresh model (another init), then overwrites every weight
+    clone = rr.FiberBundleTransformer.load(path).eval()
+    assert type(clone) is rr.FiberBundleTransformer and clone.config == model.config
+    a, b = model.state_dict(), clone.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    idx = _idx(gen)
+    assert torch.equal(clone(idx).logits, model(idx).logits)
+    # the config the caller expects may be given: the same one is accepted
+    again = rr.FiberBundleTransformer.load(path, config=model.config)
+    assert torch.equal(again(idx).logits, model(idx).logits)
+    # the file holds only plain values and tensors: torch's safe loader reads it
+    blob = torch.load(path, weights_only=True)
+    assert set(blob) == {"format", "config", "state_dict"} and blob["config"]["mode"] == kw["mode"]
+
+
+def test_load_with_another_config_names_the_differing_fields(tmp_path):
+    model = _model(seed=3, dtype=torch.float32, mode="riemannian", metric_rank=2)
+    path = tmp_path / "m.pt"
+    model.save(path)
+    other = model.config.replace(metric_rank=3, lam_init=2.0)
+    with pytest.raises(ValueError, match="saved with another config") as err:
+        rr.FiberBundleTransformer.load(path, config=other)
+    msg = str(err.value)
+    assert "metric_rank: file 2, expected 3" in msg and "lam_init: file 1.0, expected 2.0" in msg
+    assert "d_model" not in msg and "mode" not in msg  # only the fields that differ
+    assert str(path) in msg
+
+
+class _Boom:
+    """Unpickling calls boom(): the file must be refused before any code from it runs."""
+
+    calls = 0
+
+    def __reduce__(self):
+        return (_boom, ())
+
+
+def _boom():
+    _Boom.calls += 1
+    return {}
+
+
+def test_load_refuses_a_pickled_callable_without_calling_it(tmp_path):
+    path = tmp_path / "evil.pt"
+    model = _model(dtype=torch.float32)
+    torch.save({"format": "riemannian_ref.FiberBundleTransformer/1", "config": _Boom(),
+                "state_dict": model.state_dict()}, path)
+    with pytest.raises(ValueError, match="not a readable riemannian_ref model file"):
+        rr.FiberBundleTransformer.load(path)
+    assert _Boom.calls == 0
+    with open(path, "rb") as f:  # the unsafe loader would have run it: the test file is what we think
+        blob = torch.load(f, weights_only=False)
+    assert _Boom.calls == 1 and blob["config"] == {}
+    plain = tmp_path / "plain.pkl"
+    plain.write_bytes(pickle.dumps(_Boom()))
+    with pytest.raises(ValueError, match="not a readable"):
+        rr.FiberBundleTransformer.load(plain)
+    assert _Boom.calls == 1
+
+
+def test_load_refuses_foreign_or_mismatched_files(tmp_path):
+    model = _model(dtype=torch.float32)
+    torch.save(model.state_dict(), tmp_path / "sd.pt")  # a bare state dict
+    with pytest.raises(ValueError, match="not a riemannian_ref model file"):
+        rr.FiberBundleTransformer.load(tmp_path / "sd.pt")
+    cfg = {**model.config.__dict__, "n_layers": 3}  # weights of 2 layers under a 3-layer config
+    torch.save({"format": "riemannian_ref.FiberBundleTransformer/1", "config": cfg,
+                "state_dict": model.state_dict()}, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="the weights do not match the saved config"):
+        rr.FiberBundleTransformer.load(tmp_path / "bad.pt")
+    torch.save({"format": "riemannian_ref.FiberBundleTransformer/1", "config": {"depth": 3},
+                "state_dict": {}}, tmp_path / "unknown.pt")
+    with pytest.raises(ValueError, match=r"unknown fields \['depth'\]"):
+        rr.FiberBundleTransformer.load(tmp_path / "unknown.pt")
