@@ -310,9 +310,9 @@ def counting(n_examples: int, *, seq_len: int = 16, vocab_size: int = 8,
     Parameters
     ----------
     n_examples : int
-        Number of sequences.
+        How many sequences to draw.
     seq_len : int
-        Sequence length (also the number of classes).
+        Sequence length, which is also the number of classes.
     vocab_size : int
         Number of symbols, drawn uniformly and independently per position.
     generator : torch.Generator, optional

@@ -55,41 +55,30 @@ def sample_triangles(n: int, n_triangles: int, *, generator: torch.Generator | N
     Tensor, shape [n_triangles, 3], dtype long
         Columns ``i, j, k``.
     """
-    if n < 3:
-        raise ValueError(f"a triangle needs n >= 3 tokens, got n = {n}")
-    if n_triangles < 1:
-        raise ValueError(f"n_triangles must be >= 1, got {n_triangles}")
-    scores = torch.rand(n_triangles, n, generator=generator)
-    return scores.topk(3, dim=-1).indices.to(device)  # three distinct indices per row
+    return _distinct_indices(n, n_triangles, 3, "n_triangles", generator, device)
 
 
 def sample_pairs(n: int, n_pairs: int, *, generator: torch.Generator | None = None, device=None) -> Tensor:
-    """Random ordered pairs of distinct positions, for :func:`metric_compatibility_defect`.
+    """Random ordered pairs ``(i, j)`` of distinct positions, for :func:`metric_compatibility_defect`.
 
-    Each row is two distinct indices drawn uniformly without replacement
-    from ``0..n-1``; rows are independent. The random numbers are drawn on
-    the CPU, so a seeded ``generator`` gives the same pairs on every device.
+    Drawn as :func:`sample_triangles` draws its rows (``n >= 2`` here), with
+    two columns: a tensor of shape ``[n_pairs, 2]``, dtype long.
 
     Parameters
     ----------
-    n : int
-        Number of tokens, ``n >= 2``.
-    n_pairs : int
-        Number of pairs ``T``.
-    generator : torch.Generator, optional
-        CPU generator for reproducible draws.
-    device : torch.device or str, optional
-        Where to put the result (default: the CPU).
-
-    Returns
-    -------
-    Tensor, shape [n_pairs, 2], dtype long
-        Columns ``i, j``.
+    n, n_pairs, generator, device
+        Tokens, number of pairs (``>= 1``), CPU generator, result device.
     """
-    if n < 2:
-        raise ValueError(f"a pair needs n >= 2 tokens, got n = {n}")
-    scores = torch.rand(n_pairs, n, generator=generator)
-    return scores.topk(2, dim=-1).indices.to(device)
+    return _distinct_indices(n, n_pairs, 2, "n_pairs", generator, device)
+
+
+def _distinct_indices(n: int, count: int, k: int, count_name: str, generator, device) -> Tensor:
+    """``count`` rows of ``k`` distinct indices in ``0..n-1``, uniform, drawn on the CPU."""
+    for name, val, low in (("n", n, k), (count_name, count, 1)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {val!r}")
+    scores = torch.rand(count, n, generator=generator)
+    return scores.topk(k, dim=-1).indices.to(device)  # k distinct indices per row
 
 
 def _check_rates(rates: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -65,6 +65,7 @@ def composite_norm(X: Tensor) -> Tensor:
     Parameters
     ----------
     X : Tensor, shape [..., n, D]
+        A batch of matrices.
 
     Returns
     -------
@@ -104,10 +105,12 @@ def composite_residual_lower_bound(X: Tensor) -> Tensor:
     Parameters
     ----------
     X : Tensor, shape [..., n, D]
+        Token states, one row per token.
 
     Returns
     -------
     Tensor, shape [...]
+        The bound, computed exactly from the column medians.
     """
     X = _check_X(X)
     n = X.shape[-2]
@@ -193,12 +196,14 @@ def residual(X: Tensor, norm: str = "composite", center: str = "mean") -> Tensor
     Parameters
     ----------
     X : Tensor, shape [..., n, D]
+        Token states.
     norm, center
         As in :func:`residual_center`.
 
     Returns
     -------
     Tensor, shape [..., n, D]
+        ``X`` minus the chosen centre row, in every row.
     """
     x = residual_center(X, norm, center)  # (..., D)
     return X - x.unsqueeze(-2)
@@ -239,6 +244,7 @@ def stable_rank(X: Tensor) -> Tensor:
     Parameters
     ----------
     X : Tensor, shape [..., n, D]
+        Matrices whose spectrum is summarised.
 
     Returns
     -------
@@ -259,13 +265,13 @@ def energy_effective_rank(X: Tensor) -> Tensor:
     Parameters
     ----------
     X : Tensor, shape [..., n, D]
+        Any batch of real matrices (for ``X = 0`` the result is defined as 0).
 
     Returns
     -------
     Tensor, shape [...]
-        Between 1 and :math:`\mathrm{rank}(X)`; equals :math:`k` when
-        :math:`X` has :math:`k` equal non-zero singular values. Defined as 0
-        for ``X = 0``.
+        :math:`k` when :math:`X` has :math:`k` equal non-zero singular values;
+        in general between 1 and :math:`\mathrm{rank}(X)`.
 
     Notes
     -----

@@ -318,7 +318,7 @@ class RiemannianAttention(nn.Module):
         -------
         lam : Tensor, shape [h], or None for ``scores="dot"``
         U_q, U_k : Tensor or None
-            ``[B, h, n, d, r]`` per token or ``[h, d, r]`` shared, each None
+            ``[B, h, n, d, r]`` per token or ``[1, h, d, r]`` shared, each None
             when ``metric_side`` does not use it. The learned temperature is
             folded in.
         rates : Tensor or None
@@ -353,15 +353,10 @@ class RiemannianAttention(nn.Module):
         return lam, U_q, U_k, rates
 
     def scores(self, x: Tensor) -> Tensor:
-        """Pre-softmax scores of self-attention without mask or transport, [B, h, n, n] (for analysis).
+        """Pre-softmax scores [B, h, n, n] of self-attention over the states ``x`` [B, n, D] (for analysis).
 
-        Parameters
-        ----------
-        x : Tensor, shape [B, n, D]
-
-        Returns
-        -------
-        Tensor, shape [B, h, n, n]
+        No mask and no transport: the dot products, or the Riemannian scores of
+        the heads' metrics.
         """
         q, k, _ = self.project(x)
         lam, U_q, U_k, _ = self.geometry(x)
@@ -428,7 +423,7 @@ class RiemannianAttention(nn.Module):
 
 
 def _scale_factor(U: Tensor | None, s: Tensor) -> Tensor | None:
-    """Multiply a per-head factor ([B, h, n, d, r] or [h, d, r]) by s [h]."""
+    """Multiply a per-head factor ([B, h, n, d, r] or [1, h, d, r]) by s [h]."""
     if U is None:
         return None
     return U * (s.view(-1, 1, 1, 1) if U.dim() == 5 else s.view(-1, 1, 1))

@@ -230,7 +230,9 @@ def _check_path(path: Tensor, field: MetricField) -> Tensor:
 
 
 def _piece_quads(path: Tensor, field: MetricField, quad_points: int) -> tuple[Tensor, Tensor]:
-    r""":math:`\dot\gamma^\top G \dot\gamma` at the Gauss nodes of every piece, and the weights."""
+    r""":math:`\dot\gamma^\top G \dot\gamma` at the Gauss nodes of every piece, and the weights (inputs checked)."""
+    path = _check_path(path, field)
+    quad_points = _check_count(quad_points, "quad_points", 1)
     dp = path[..., 1:, :] - path[..., :-1, :]  # (..., N-1, m)
     t, w = _gauss_legendre(quad_points, path)
     nodes = path[..., :-1, None, :] + t[:, None] * dp.unsqueeze(-2)  # (..., N-1, Q, m)
@@ -259,8 +261,6 @@ def path_length(path: Tensor, field: MetricField, quad_points: int = 4) -> Tenso
     -------
     Tensor, shape [...]
     """
-    path = _check_path(path, field)
-    quad_points = _check_count(quad_points, "quad_points", 1)
     q, w = _piece_quads(path, field, quad_points)
     return (q.clamp_min(0).sqrt() * w).sum((-1, -2))
 
@@ -277,19 +277,11 @@ def path_energy(path: Tensor, field: MetricField, quad_points: int = 4) -> Tenso
 
     Parameters
     ----------
-    path : Tensor, shape [..., N, m]
-    field : MetricField
-    quad_points : int
-
-    Returns
-    -------
-    Tensor, shape [...]
+    path, field, quad_points
+        As in :func:`path_length`; the result has shape ``path.shape[:-2]``.
     """
-    path = _check_path(path, field)
-    quad_points = _check_count(quad_points, "quad_points", 1)
     q, w = _piece_quads(path, field, quad_points)
-    N = path.shape[-2]
-    return (N - 1) * (q * w).sum((-1, -2))
+    return (path.shape[-2] - 1) * (q * w).sum((-1, -2))
 
 
 def straight_path(x: Tensor, y: Tensor, n_points: int) -> Tensor:

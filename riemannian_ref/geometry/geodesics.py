@@ -97,6 +97,17 @@ def _check_count(val, name: str, minimum: int) -> int:
 
 
 # ------------------------------------------------------------ two-point forms
+def _pair(x, y, metric_x, metric_y):
+    """Checked points and metrics: ``(x - y, metric_x, metric_y)``, batch dimensions broadcasting."""
+    x, y = _check_points(x, y)
+    d = x.shape[-1]
+    metric_x = _check_metric(metric_x, "metric_x", d, x)
+    metric_y = _check_metric(metric_y, "metric_y", d, x)
+    broadcast_batch({"x.shape[:-1]": x.shape[:-1], "y.shape[:-1]": y.shape[:-1],
+                     "metric_x batch": _metric_batch(metric_x), "metric_y batch": _metric_batch(metric_y)})
+    return x - y, metric_x, metric_y  # delta: (..., d)
+
+
 def pair_distance(x: Tensor, y: Tensor, metric_x, metric_y, metric_side: str = "mean") -> Tensor:
     r"""The pair-metric distance :math:`\sqrt{\delta^\top \bar G \delta}` of Riemannian attention.
 
@@ -116,15 +127,9 @@ def pair_distance(x: Tensor, y: Tensor, metric_x, metric_y, metric_side: str = "
     Tensor, shape [...]
         :math:`\sqrt{\delta^\top \bar G \delta}` with :math:`\delta = x - y`.
     """
-    x, y = _check_points(x, y)
     if metric_side not in METRIC_SIDES:
         raise ValueError(f"metric_side must be one of {METRIC_SIDES}, got {metric_side!r}")
-    d = x.shape[-1]
-    metric_x = _check_metric(metric_x, "metric_x", d, x)
-    metric_y = _check_metric(metric_y, "metric_y", d, x)
-    broadcast_batch({"x.shape[:-1]": x.shape[:-1], "y.shape[:-1]": y.shape[:-1],
-                     "metric_x batch": _metric_batch(metric_x), "metric_y batch": _metric_batch(metric_y)})
-    delta = x - y  # (..., d)
+    delta, metric_x, metric_y = _pair(x, y, metric_x, metric_y)
     if metric_side == "query":
         q2 = _quad(metric_x, delta)
     elif metric_side == "key":
@@ -171,16 +176,10 @@ def segment_length(x: Tensor, y: Tensor, metric_x, metric_y, method: str = "clos
     -------
     Tensor, shape [...]
     """
-    x, y = _check_points(x, y)
     if method not in ("closed_form", "quadrature"):
         raise ValueError(f"method must be 'closed_form' or 'quadrature', got {method!r}")
     n_points = _check_count(n_points, "n_points", 1)
-    d = x.shape[-1]
-    metric_x = _check_metric(metric_x, "metric_x", d, x)
-    metric_y = _check_metric(metric_y, "metric_y", d, x)
-    broadcast_batch({"x.shape[:-1]": x.shape[:-1], "y.shape[:-1]": y.shape[:-1],
-                     "metric_x batch": _metric_batch(metric_x), "metric_y batch": _metric_batch(metric_y)})
-    delta = x - y  # (..., d)
+    delta, metric_x, metric_y = _pair(x, y, metric_x, metric_y)
     a = _quad(metric_y, delta).clamp_min(0)  # squared speed at t = 0   (...)
     b = _quad(metric_x, delta).clamp_min(0)  # squared speed at t = 1   (...)
     if method == "closed_form":

@@ -226,15 +226,8 @@ class LowRankMetric:
         r""":math:`G^{-1} w` by the Woodbury identity.
 
         Factoring costs :math:`O(d r^2 + r^3)` once per metric (cached), each
-        solve :math:`O(d r)`.
-
-        Parameters
-        ----------
-        w : Tensor, shape [..., d]
-
-        Returns
-        -------
-        Tensor, shape [..., d]
+        solve :math:`O(d r)`. ``w`` has shape [..., d], and so has the result
+        (batch dimensions broadcast with the metric's).
         """
         w = self._check_vec(w, "w")
         dinv = self._dinv()
@@ -333,7 +326,7 @@ class MetricNet(nn.Module):
     strength : float
         Multiplies the initial weights: 0 gives :math:`U = 0` at init.
     shared : bool
-        One learned factor per head (shape ``[h, d, r]``) instead of per-token
+        One learned factor per head (a parameter ``[h, d, r]``) instead of per-token
         factors computed from the states.
     diagonal : bool
         Also learn a per-token diagonal (:meth:`delta`) for the
@@ -392,14 +385,14 @@ class MetricNet(nn.Module):
         -------
         lam : Tensor, shape [h]
             Broadcasts against the ``[B, h]`` batch of queries and keys.
-        U : Tensor, shape [B, h, n, d, r], or [h, d, r] when ``shared``
-            (a shared factor broadcasts against the batch).
+        U : Tensor, shape [B, h, n, d, r], or [1, h, d, r] when ``shared``
+            (a shared factor broadcasts against the batch of queries and keys).
         """
         x = self._check_x(x)
         B, n, _ = x.shape
         h, d, r = self.n_heads, self.head_dim, self.rank
         if self.shared:
-            U = self.U.to(x.dtype)  # (h, d, r)
+            U = self.U.to(x.dtype).unsqueeze(0)  # (1, h, d, r)
         elif self.proj is None:
             U = x.new_zeros(B, h, n, d, 0)
         else:
@@ -409,15 +402,8 @@ class MetricNet(nn.Module):
     def delta(self, x: Tensor) -> Tensor:
         r"""Per-token diagonal :math:`\delta_i = \lambda\,\mathrm{softplus}(W x_i)/\log 2 + \lambda_{\min}`.
 
-        Equal to :math:`\lambda + \lambda_{\min}` at init (zero weights).
-
-        Parameters
-        ----------
-        x : Tensor, shape [B, n, D]
-
-        Returns
-        -------
-        Tensor, shape [B, h, n, d]
+        Equal to :math:`\lambda + \lambda_{\min}` at init (zero weights). Takes
+        the states ``x`` [B, n, D] and returns the diagonals, shape [B, h, n, d].
         """
         if self.diag_proj is None:
             raise ValueError("delta() needs a MetricNet built with diagonal=True")

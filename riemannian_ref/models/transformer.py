@@ -221,25 +221,23 @@ class FiberBundleConfig:
     # ------------------------------------------------------------ presets
     @classmethod
     def tiny(cls, **overrides) -> "FiberBundleConfig":
-        """Two layers, width 32, two heads: tests and live cells of the book.
+        """Two layers, width 32, two heads, metrics of rank 2: tests and live cells of the book.
 
         Parameters
         ----------
         **overrides
-            Fields to change.
+            Fields to change, e.g. ``mode="euclidean"``.
         """
-        base = dict(vocab_size=16, block_size=32, d_model=32, n_heads=2, n_layers=2, metric_rank=2,
-                    ffn_metric_rank=2)
-        return cls(**{**base, **overrides})
+        return cls(**{**dict(vocab_size=16, block_size=32, d_model=32, n_heads=2, n_layers=2), **overrides})
 
     @classmethod
     def small(cls, **overrides) -> "FiberBundleConfig":
-        """Four layers, width 64, four heads: the book's experiment scripts.
+        """Four layers, width 64, four heads, metrics of rank 4: the book's experiment scripts.
 
         Parameters
         ----------
         **overrides
-            Fields to change.
+            Any field of the config.
         """
         base = dict(vocab_size=64, block_size=128, d_model=64, n_heads=4, n_layers=4, metric_rank=4,
                     ffn_metric_rank=4)
@@ -381,12 +379,8 @@ class FiberBundleOutput(NamedTuple):
 
 
 class MLP(nn.Module):
-    """The feed-forward network of a block: ``Linear -> activation -> Linear``.
-
-    Parameters
-    ----------
-    config : FiberBundleConfig
-    """
+    """The feed-forward network of a block, ``Linear -> activation -> Linear``, sized by ``config``
+    (``d_model``, ``mlp_ratio``, ``activation``, ``bias``, ``dropout``, ``init``)."""
 
     def __init__(self, config: FiberBundleConfig):
         super().__init__()
@@ -463,6 +457,7 @@ class FiberBundleTransformer(nn.Module):
     Parameters
     ----------
     config : FiberBundleConfig
+        The model; its presets cover every model the book trains.
     """
 
     def __init__(self, config: FiberBundleConfig):
@@ -600,8 +595,8 @@ class FiberBundleTransformer(nn.Module):
             tri = sample_triangles(n, n_samples, generator=g, device=k.device)
             pairs = sample_pairs(n, n_samples, generator=g, device=k.device)
             U = U_k if U_k is not None else U_q
-            if U.dim() == 3:  # shared [h, d, r]: the same metric for every token
-                U = U.view(1, h, 1, *U.shape[-2:]).expand(B, h, n, *U.shape[-2:])
+            if U.dim() == 4:  # shared [1, h, d, r]: the same metric for every token
+                U = U.unsqueeze(2).expand(B, h, n, *U.shape[-2:])
             hol.append(holonomy_defect(rates, tri).expand(B, h).mean(0))  # (h,)
             tor.append(torsion_defect(k, rates, tri).mean(0))  # (h,)
             comp.append(metric_compatibility_defect(lam.view(h, 1), U, rates, pairs).mean(0))  # (h,)

@@ -83,7 +83,32 @@ def _cap(step: Tensor, norm2: Tensor, radius: float | None) -> Tensor:
     return step * factor[..., None, None]
 
 
-class StiefelAdam(Optimizer):
+class _AdamBase(Optimizer):
+    """What both optimisers share: checked hyper-parameters, and ``step`` (the closure, then each group)."""
+
+    def __init__(self, params: Iterable, lr, betas, eps, weight_decay, trust_radius, **flags):
+        _check_hparams(lr, betas, eps, weight_decay, trust_radius)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      trust_radius=trust_radius, **flags))
+        for group in self.param_groups:
+            _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["trust_radius"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimisation step; returns the closure's loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._group_step(group)
+        return loss
+
+    def _group_step(self, group: dict) -> None:
+        raise NotImplementedError
+
+
+class StiefelAdam(_AdamBase):
     """Riemannian Adam on Stiefel frames for marked groups, AdamW elsewhere.
 
     Parameters
@@ -92,7 +117,7 @@ class StiefelAdam(Optimizer):
         Parameters or param groups. A group with ``stiefel=True`` holds frames:
         each tensor of shape ``[..., n, p]`` (``n >= p``) must already have
         orthonormal columns (e.g. from :meth:`Stiefel.random` or
-        :func:`~riemannian_ref.manifolds.polar`).
+        :func:`~riemannian_ref.optim.manifolds.polar`).
     lr : float
         Step size. On frames it is the Frobenius length of a step when the
         gradient direction is steady (default 1e-3).
@@ -117,13 +142,9 @@ class StiefelAdam(Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, trust_radius: float | None = None):
-        _check_hparams(lr, betas, eps, weight_decay, trust_radius)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        trust_radius=trust_radius, stiefel=False)
-        super().__init__(params, defaults)
+        super().__init__(params, lr, betas, eps, weight_decay, trust_radius, stiefel=False)
         self.manifold = Stiefel()
         for group in self.param_groups:
-            _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["trust_radius"])
             if group["stiefel"]:
                 for p in group["params"]:
                     ok, why = self.manifold.check_point(p.detach(), atol=1e-4 if p.dtype != torch.float64 else 1e-8)
@@ -132,24 +153,16 @@ class StiefelAdam(Optimizer):
                             f"a parameter of shape {tuple(p.shape)} in a stiefel=True group is not a "
                             f"stack of orthonormal frames ({why}); initialise it with Stiefel.random or polar")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Perform one optimisation step; returns the closure's loss if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("StiefelAdam does not support sparse gradients")
-                if group["stiefel"]:
-                    self._stiefel_step(p, p.grad, self.state[p], group)
-                else:
-                    _adamw_(p, p.grad, self.state[p], group)
-        return loss
+    def _group_step(self, group: dict) -> None:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError("StiefelAdam does not support sparse gradients")
+            if group["stiefel"]:
+                self._stiefel_step(p, p.grad, self.state[p], group)
+            else:
+                _adamw_(p, p.grad, self.state[p], group)
 
     def _stiefel_step(self, W: Tensor, g: Tensor, state: dict, group: dict) -> None:
         lr, (b1, b2), eps = group["lr"], group["betas"], group["eps"]
@@ -173,7 +186,7 @@ class StiefelAdam(Optimizer):
         m.copy_(m - W @ sym(W.transpose(-1, -2) @ m))  # keep the momentum tangent at the new point
 
 
-class LowRankAdam(Optimizer):
+class LowRankAdam(_AdamBase):
     """Riemannian Adam on rank-``r`` matrices :math:`W = A B^\\top` given as factor pairs.
 
     Parameters
@@ -207,10 +220,7 @@ class LowRankAdam(Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, trust_radius: float | None = None):
-        _check_hparams(lr, betas, eps, weight_decay, trust_radius)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        trust_radius=trust_radius, geometry=None)
-        super().__init__(params, defaults)
+        super().__init__(params, lr, betas, eps, weight_decay, trust_radius, geometry=None)
         self.fixed_rank = FixedRankEmbedded()
         self.factored = FactoredLowRank(balance=True)
         for group in self.param_groups:
@@ -226,35 +236,27 @@ class LowRankAdam(Optimizer):
                 if A.shape[:-2] != B.shape[:-2] or A.shape[-1] != B.shape[-1]:
                     raise ValueError(f"pair A {tuple(A.shape)}, B {tuple(B.shape)} must agree in batch and rank")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Perform one optimisation step; returns the closure's loss if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["geometry"] is None:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        _adamw_(p, p.grad, self.state[p], group)
+    def _group_step(self, group: dict) -> None:
+        if group["geometry"] is None:
+            for p in group["params"]:
+                if p.grad is not None:
+                    _adamw_(p, p.grad, self.state[p], group)
+            return
+        ps = group["params"]
+        for A, B in zip(ps[0::2], ps[1::2]):
+            if A.grad is None and B.grad is None:
                 continue
-            ps = group["params"]
-            for A, B in zip(ps[0::2], ps[1::2]):
-                if A.grad is None and B.grad is None:
-                    continue
-                gA = A.grad if A.grad is not None else torch.zeros_like(A)
-                gB = B.grad if B.grad is not None else torch.zeros_like(B)
-                if group["weight_decay"]:
-                    # Euclidean decay of W: G += wd W, so gA += wd A B^T B, gB += wd B A^T A
-                    wd = group["weight_decay"]
-                    gA = gA + wd * A @ (B.transpose(-1, -2) @ B)
-                    gB = gB + wd * B @ (A.transpose(-1, -2) @ A)
-                if group["geometry"] == "embedded":
-                    self._embedded_step(A, B, gA, gB, self.state[A], group)
-                else:
-                    self._factored_step(A, B, gA, gB, self.state[A], group)
-        return loss
+            gA = A.grad if A.grad is not None else torch.zeros_like(A)
+            gB = B.grad if B.grad is not None else torch.zeros_like(B)
+            if group["weight_decay"]:
+                # Euclidean decay of W: G += wd W, so gA += wd A B^T B, gB += wd B A^T A
+                wd = group["weight_decay"]
+                gA = gA + wd * A @ (B.transpose(-1, -2) @ B)
+                gB = gB + wd * B @ (A.transpose(-1, -2) @ A)
+            if group["geometry"] == "embedded":
+                self._embedded_step(A, B, gA, gB, self.state[A], group)
+            else:
+                self._factored_step(A, B, gA, gB, self.state[A], group)
 
     @staticmethod
     def _moments(state: dict, xi: tuple[Tensor, ...], norm2: Tensor, group: dict):

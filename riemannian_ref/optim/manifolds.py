@@ -139,30 +139,13 @@ class Stiefel:
         With the embedded metric the Riemannian gradient is the projection of
         the Euclidean gradient, so a loss's steepest-descent direction on the
         manifold is :math:`-\\mathrm{proj}_x(g)/|\\mathrm{proj}_x(g)|_F`.
-
-        Parameters
-        ----------
-        x : Tensor, shape [..., n, p]
-        g : Tensor, shape [..., n, p]
-
-        Returns
-        -------
-        Tensor, shape [..., n, p]
+        ``x`` (a point) and ``g`` (a Euclidean gradient) have shape
+        ``[..., n, p]``, and so has the result.
         """
         return self.proju(x, g)
 
     def projx(self, x: Tensor) -> Tensor:
-        """Closest point on the manifold: the orthonormal polar factor of ``x``.
-
-        Parameters
-        ----------
-        x : Tensor, shape [..., n, p]
-            Full column rank.
-
-        Returns
-        -------
-        Tensor, shape [..., n, p]
-        """
+        """Closest point on the manifold: the orthonormal polar factor of ``x`` ([..., n, p], full column rank)."""
         _frame_dims(x, "x")
         return polar(x)
 
@@ -171,16 +154,8 @@ class Stiefel:
 
         For a tangent ``u``, :math:`(x + u)^\\top (x + u) = I + u^\\top u` is
         well conditioned (singular values of :math:`x + u` are at least 1), so
-        the SVD is accurate and the result is orthonormal to round-off.
-
-        Parameters
-        ----------
-        x : Tensor, shape [..., n, p]
-        u : Tensor, shape [..., n, p]
-
-        Returns
-        -------
-        Tensor, shape [..., n, p]
+        the SVD is accurate and the result is orthonormal to round-off. The
+        point ``x``, the step ``u`` and the result have shape ``[..., n, p]``.
         """
         _frame_dims(x, "x")
         _same_shape(x, "x", u, "u")
