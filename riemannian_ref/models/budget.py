@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .transformer import FiberBundleConfig, FiberBundleTransformer
+from .config import FiberBundleConfig
+from .transformer import FiberBundleTransformer
 
 __all__ = ["count_parameters", "estimate_flops", "match_width"]
 

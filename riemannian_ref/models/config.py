@@ -1,0 +1,325 @@
+r"""The configuration of the Fiber Bundle Transformer, with a preset for every model the book trains.
+
+:class:`FiberBundleConfig` is a frozen, validated dataclass: a bad value raises
+``ValueError`` naming the field, the expected range and the value given.
+``mode`` chooses the attention scores and the defaults of the fibre-bundle
+components (connection, preconditioned FFN, learned positions), each of which
+is also a field of its own; ``skip``, ``mlp`` and ``layer_norm`` give the
+block variants of Dong, Cordonnier and Loukas (2021). The model itself is
+:class:`~riemannian_ref.models.transformer.FiberBundleTransformer`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..attention.connections import CONNECTIONS
+from ..attention.layer import AttentionConfig, _choice, _number, _pos_int
+from ..geometry.metric import raw_from_lam
+from ..geometry.scores import METRIC_SIDES
+
+__all__ = ["MODES", "FiberBundleConfig"]
+
+#: The accepted values of ``FiberBundleConfig.mode``.
+MODES = ("euclidean", "riemannian", "fiber_bundle")
+INITS = ("gpt2", "unit")
+ACTIVATIONS = ("gelu", "relu")
+
+
+@dataclass(frozen=True)
+class FiberBundleConfig:
+    r"""Configuration of :class:`FiberBundleTransformer` (frozen; validated on construction).
+
+    A bad value raises ``ValueError`` naming the field, the expected range and
+    the value given. Presets: :meth:`tiny`, :meth:`small`,
+    :meth:`attention_stack`, :meth:`grokking`.
+
+    Parameters
+    ----------
+    vocab_size : int or None, default 64
+        Number of token ids; None: no token embedding and no head (the model
+        reads embeddings and returns hidden states).
+    block_size : int, default 64
+        Longest sequence: size of the learned position table and the context
+        window of :meth:`FiberBundleTransformer.generate`.
+    d_model : int, default 64
+        Model width :math:`D`.
+    n_heads : int, default 4
+        Number of heads :math:`h`.
+    head_dim : int or None, default None
+        Head dimension :math:`d`; None: ``d_model // n_heads``.
+    n_layers : int, default 2
+        Number of blocks :math:`L`.
+    mode : {"euclidean", "riemannian", "fiber_bundle"}, default "fiber_bundle"
+        Dot-product or metric scores, and the defaults of ``connection``,
+        ``precondition_ffn`` and ``learned_positions`` (module docstring).
+    metric_side : {"key", "query", "mean"}, default "key"
+        Whose metric measures a query-key pair (metric modes).
+    metric_rank : int, default 2
+        Rank :math:`r \ge 0` of every attention metric; 0 gives :math:`G = \lambda I`.
+    metric_strength : float, default 1.0
+        Heterogeneity of the metrics at init (0: :math:`U = 0` at init).
+    shared_metric : bool, default False
+        One learned metric per head and layer instead of per-token metrics.
+    lam_init : float, default 1.0
+        Initial :math:`\lambda` of every metric, above the floor
+        :data:`~riemannian_ref.geometry.metric.LAM_MIN`.
+    learn_temperature : bool, default False
+        A learned per-head factor on :math:`1/\tau`.
+    connection : {"trivial", "flat", "content"} or None, default None
+        Transport of keys and values; None: ``"content"`` in ``"fiber_bundle"``
+        mode, ``"trivial"`` otherwise.
+    transport_values : bool, default True
+        Transport the values along the connection too.
+    rotary_base : float, default 10000.0
+        Base of the rotary rates of the flat and content connections.
+    content_rate_std : float, default 0.5
+        Init std of the content modulation of the rates (0: starts flat).
+    precondition_ffn : bool or None, default None
+        :math:`x + \eta G_x^{-1}\mathrm{FFN}(\mathrm{LN}(x))`; None: True in
+        ``"fiber_bundle"`` mode, False otherwise.
+    ffn_metric_rank : int, default 2
+        Rank of the model-space metric :math:`G_x` of the preconditioned FFN.
+    eta_init : float, default 1.0
+        Initial step :math:`\eta` of the preconditioned FFN (learned per block).
+    learned_positions : bool or None, default None
+        Learned absolute position embeddings; None: unless the connection is
+        ``"flat"`` or ``"content"`` (which carries position itself).
+    skip : bool, default True
+        Residual connections around the attention and the FFN.
+    mlp : bool, default True
+        A feed-forward network in every block.
+    layer_norm : bool, default True
+        Pre-norm LayerNorms in the blocks (the head always reads a
+        LayerNorm of the last state).
+    causal : bool, default True
+        Causal self-attention (a language model); False: bidirectional.
+    mlp_ratio : int, default 4
+        FFN hidden width = ``mlp_ratio * d_model``.
+    activation : {"gelu", "relu"}, default "gelu"
+        FFN nonlinearity.
+    bias : bool, default False
+        Biases in the value/output projections, the FFN and the LayerNorms.
+    dropout : float, default 0.0
+        Dropout on embeddings, attention weights and residual branches.
+    tie_weights : bool, default True
+        The LM head shares the token embedding matrix.
+    n_classes : int or None, default None
+        Outputs per position; None: ``vocab_size`` (a language model).
+    init : {"gpt2", "unit"}, default "gpt2"
+        ``"gpt2"``: weights :math:`N(0, 0.02^2)`, residual output projections
+        divided by :math:`\sqrt{2L}`. ``"unit"``: variance-preserving
+        :math:`N(0, 1/\text{fan-in})` (He for a ReLU layer), token embeddings
+        :math:`N(0, 1)`, positions :math:`N(0, 0.1^2)`; residual output
+        projections divided by :math:`\sqrt{2L}` only when ``skip``.
+    qk_init : {"normal", "orthonormal"}, default "normal"
+        Per-head query/key frames ``[h, D, d]`` Gaussian, or with orthonormal
+        columns (for :class:`~riemannian_ref.optim.adam.StiefelAdam`).
+    qk_gain : float, default 1.0
+        Multiplies the query/key frames at init.
+    """
+
+    vocab_size: int | None = 64          # token ids (None: embeddings in, hidden states out)
+    block_size: int = 64                 # longest sequence (context length)
+    d_model: int = 64                    # model width D
+    n_heads: int = 4                     # heads h
+    head_dim: int | None = None          # d (None: D / h)
+    n_layers: int = 2                    # blocks L
+    mode: str = "fiber_bundle"           # "euclidean" | "riemannian" | "fiber_bundle"
+    metric_side: str = "key"             # whose metric measures a pair: "key" | "query" | "mean"
+    metric_rank: int = 2                 # r of each head metric G = lam I + U U^T (0: G = lam I)
+    metric_strength: float = 1.0         # heterogeneity of the metrics at init
+    shared_metric: bool = False          # one learned metric per head instead of per-token metrics
+    lam_init: float = 1.0                # initial isotropic part lam of every metric
+    learn_temperature: bool = False      # learned per-head factor on 1/tau
+    connection: str | None = None        # None: "content" in fiber_bundle mode, else "trivial"
+    transport_values: bool = True        # values transported along the connection too
+    rotary_base: float = 10000.0         # rates theta_m = base^(-2m/d) of the flat and content connections
+    content_rate_std: float = 0.5        # init std of the content modulation (0: starts flat)
+    precondition_ffn: bool | None = None  # None: True in fiber_bundle mode
+    ffn_metric_rank: int = 2             # rank of the model-space metric G_x of the preconditioned FFN
+    eta_init: float = 1.0                # initial step size eta of the preconditioned FFN
+    learned_positions: bool | None = None  # None: unless a flat/content connection carries position
+    skip: bool = True                    # residual connections
+    mlp: bool = True                     # a feed-forward network per block
+    layer_norm: bool = True              # pre-norm LayerNorms
+    causal: bool = True                  # causal self-attention
+    mlp_ratio: int = 4                   # FFN hidden width = mlp_ratio * D
+    activation: str = "gelu"             # "gelu" | "relu"
+    bias: bool = False                   # biases in linear layers and LayerNorms
+    dropout: float = 0.0                 # dropout on embeddings, attention weights and residual branches
+    tie_weights: bool = True             # LM head shares the token embedding matrix
+    n_classes: int | None = None         # outputs per position (None: vocab_size)
+    init: str = "gpt2"                   # "gpt2" | "unit"
+    qk_init: str = "normal"              # "normal" | "orthonormal" per-head frames
+    qk_gain: float = 1.0                 # multiplies the query/key frames at init
+
+    def __post_init__(self):
+        if self.vocab_size is not None:
+            _pos_int(self.vocab_size, "vocab_size")
+        for name in ("block_size", "d_model", "n_heads", "n_layers", "mlp_ratio"):
+            _pos_int(getattr(self, name), name)
+        for name in ("metric_rank", "ffn_metric_rank"):
+            _pos_int(getattr(self, name), name, 0)
+        if self.head_dim is not None:
+            _pos_int(self.head_dim, "head_dim")
+        elif self.d_model % self.n_heads:
+            raise ValueError(f"d_model must be divisible by n_heads (or give head_dim), got "
+                             f"d_model={self.d_model}, n_heads={self.n_heads}")
+        _choice(self.mode, "mode", MODES)
+        _choice(self.metric_side, "metric_side", METRIC_SIDES)
+        if self.connection is not None:
+            _choice(self.connection, "connection", CONNECTIONS)
+        _choice(self.init, "init", INITS)
+        _choice(self.activation, "activation", ACTIVATIONS)
+        for name in ("shared_metric", "learn_temperature", "transport_values", "skip", "mlp", "layer_norm",
+                     "causal", "bias", "tie_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("precondition_ffn", "learned_positions"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
+        raw_from_lam(self.lam_init)
+        _number(self.eta_init, "eta_init")
+        if self.n_classes is not None:
+            _pos_int(self.n_classes, "n_classes")
+            if self.tie_weights:
+                raise ValueError("n_classes needs tie_weights=False (the head is not the embedding)")
+        if self.vocab_size is None and self.n_classes is not None:
+            raise ValueError("n_classes needs a vocab_size (the model reads token ids)")
+        if self.precondition_ffn_resolved and not self.mlp:
+            raise ValueError("precondition_ffn needs mlp=True (it preconditions the FFN update)")
+        self.attention_config(0)  # validates the attention fields (raises naming the field)
+
+    # ------------------------------------------------------------ presets
+    @classmethod
+    def tiny(cls, **overrides) -> "FiberBundleConfig":
+        """Two layers, width 32, two heads, metrics of rank 2: tests and live cells of the book.
+
+        Parameters
+        ----------
+        **overrides
+            Fields to change, e.g. ``mode="euclidean"``.
+        """
+        return cls(**{**dict(vocab_size=16, block_size=32, d_model=32, n_heads=2, n_layers=2), **overrides})
+
+    @classmethod
+    def small(cls, **overrides) -> "FiberBundleConfig":
+        """Four layers, width 64, four heads, metrics of rank 4: the book's experiment scripts.
+
+        Parameters
+        ----------
+        **overrides
+            Any field of the config.
+        """
+        base = dict(vocab_size=64, block_size=128, d_model=64, n_heads=4, n_layers=4, metric_rank=4,
+                    ffn_metric_rank=4)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def attention_stack(cls, **overrides) -> "FiberBundleConfig":
+        """A pure self-attention network (Dong, Cordonnier and Loukas 2021): no skip, no FFN, no norm.
+
+        Bidirectional, no positions, no token embedding (``vocab_size=None``:
+        feed it embeddings), variance-preserving init, ReLU FFNs with biases
+        where ``mlp=True`` is switched back on. ``skip``, ``mlp`` and
+        ``layer_norm`` give Dong et al.'s variants.
+
+        Parameters
+        ----------
+        **overrides
+            Fields to change (e.g. ``n_layers=24``, ``mode="riemannian"``).
+        """
+        base = dict(vocab_size=None, block_size=1024, d_model=64, n_heads=2, n_layers=24, mode="euclidean",
+                    metric_rank=4, skip=False, mlp=False, layer_norm=False, causal=False,
+                    learned_positions=False, activation="relu", bias=True, tie_weights=False, init="unit",
+                    precondition_ffn=False)
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def grokking(cls, vocab_size: int, **overrides) -> "FiberBundleConfig":
+        """The optimiser chapter's model: one Euclidean layer with orthonormal query/key frames.
+
+        Pre-norm, learned positions, GELU FFN, biases, an untied head,
+        unit-variance init (as Power et al.'s grokking setting), three tokens
+        of context (``a op b =`` without the operator token).
+
+        Parameters
+        ----------
+        vocab_size : int
+            Number of token ids.
+        **overrides
+            Fields to change.
+        """
+        base = dict(vocab_size=vocab_size, block_size=3, d_model=32, n_heads=4, n_layers=1, mode="euclidean",
+                    bias=True, tie_weights=False, init="unit", qk_init="orthonormal")
+        return cls(**{**base, **overrides})
+
+    def replace(self, **changes) -> "FiberBundleConfig":
+        """A copy with some fields changed (validated again).
+
+        Parameters
+        ----------
+        **changes
+            Fields to change.
+        """
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------ derived
+    @property
+    def qk_dim(self) -> int:
+        """Head dimension :math:`d`."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def connection_resolved(self) -> str:
+        """The connection in use (``connection`` or the mode's default)."""
+        if self.connection is not None:
+            return self.connection
+        return "content" if self.mode == "fiber_bundle" else "trivial"
+
+    @property
+    def precondition_ffn_resolved(self) -> bool:
+        """Whether the FFN update is preconditioned (``precondition_ffn`` or the mode's default)."""
+        if self.precondition_ffn is not None:
+            return self.precondition_ffn
+        return self.mode == "fiber_bundle"
+
+    @property
+    def uses_learned_positions(self) -> bool:
+        """Whether the model adds learned absolute positions (``learned_positions`` or the default)."""
+        if self.learned_positions is not None:
+            return self.learned_positions
+        return self.connection_resolved == "trivial"
+
+    @property
+    def out_dim(self) -> int | None:
+        """Outputs per position of the head (None: no head)."""
+        return self.n_classes if self.n_classes is not None else self.vocab_size
+
+    def attention_config(self, layer: int) -> AttentionConfig:
+        """The :class:`~riemannian_ref.attention.layer.AttentionConfig` of every block's attention.
+
+        Parameters
+        ----------
+        layer : int
+            Block index (all blocks share one configuration today).
+
+        Returns
+        -------
+        AttentionConfig
+        """
+        gpt2 = self.init == "gpt2"
+        residual = 1.0 / math.sqrt(2 * self.n_layers) if (gpt2 or self.skip) else 1.0
+        return AttentionConfig(
+            d_model=self.d_model, n_heads=self.n_heads, head_dim=self.head_dim,
+            scores="dot" if self.mode == "euclidean" else "metric",
+            metric="shared" if self.shared_metric else "token", metric_side=self.metric_side,
+            rank=self.metric_rank, strength=self.metric_strength, lam_init=self.lam_init,
+            learn_temperature=self.learn_temperature, connection=self.connection_resolved,
+            rotary_base=self.rotary_base, content_rate_std=self.content_rate_std,
+            transport_values=self.transport_values, causal=self.causal, bias=self.bias, dropout=self.dropout,
+            init_std=0.02 if gpt2 else None,
+            out_init_std=(0.02 if gpt2 else (self.n_heads * self.qk_dim) ** -0.5) * residual,
+            qk_init=self.qk_init, qk_gain=self.qk_gain)
