@@ -1,0 +1,286 @@
+"""The presets of the one Transformer: tiny, small, attention_stack (the rank-collapse stacks), grokking.
+
+Every preset in every mode builds and takes a training step through rr.train
+(the full-batch loss falls); the attention stacks keep the properties the
+rank-collapse chapters rely on (row-stochastic mixing, identical rows as a
+fixed point, collapse without skips); the grokking preset has orthonormal
+frames and is causal.
+"""
+import pytest
+import torch
+
+import riemannian_ref as rr
+from riemannian_ref.models import MODES
+
+DT = torch.float64
+FBC = rr.FiberBundleConfig
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------ one step through rr.train
+
+def _preset_case(preset, mode):
+    """A config of the preset in this mode and a small task it can read."""
+    if preset == "tiny":
+        return FBC.tiny(mode=mode), rr.associative_recall(16, vocab_size=16, n_pairs=3, seq_len=12, generator=_g(0))
+    if preset == "small":
+        return FBC.small(mode=mode), rr.associative_recall(8, vocab_size=64, n_pairs=4, seq_len=16, generator=_g(0))
+    if preset == "attention_stack":  # a per-token classifier on the counting task
+        data = rr.counting(16, seq_len=8, vocab_size=4, generator=_g(0))
+        return FBC.attention_stack(mode=mode, vocab_size=4, n_classes=8, n_layers=4, d_model=16,
+                                   skip=True, mlp=True, layer_norm=True), data
+    train, _ = rr.modular_arithmetic(7, generator=_g(0))
+    return FBC.grokking(8, mode=mode), train
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("preset", ["tiny", "small", "attention_stack", "grokking"])
+def test_every_preset_builds_and_takes_a_training_step(preset, mode):
+    cfg, data = _preset_case(preset, mode)
+    assert cfg.mode == mode
+    torch.manual_seed(0)
+    model = rr.FiberBundleTransformer(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # full batch and the training set as validation set: the logged loss is the training loss
+    res = rr.train(model, data, data, rr.TrainConfig(lr=1e-3, steps=1, batch_size=None, eval_interval=1))
+    assert res.steps_done == 1 and res.history["step"] == [0, 1]
+    assert res.n_params == rr.count_parameters(model)["total"] == rr.count_parameters(cfg)["total"]
+    l0, l1 = res.history["val_loss"]
+    assert torch.isfinite(torch.tensor([l0, l1])).all() and l1 < l0  # one descent step
+    moved = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert any(".attn.w_q" in k for k in moved) and any("lm_head" in k for k in moved)
+    assert rr.evaluate(model, data)["loss"] == pytest.approx(l1, rel=1e-6)
+
+
+@pytest.mark.parametrize("scores, metric_rank", [("dot", 2), ("metric", 0), ("metric", 2)])
+def test_recall_head_takes_a_training_step_on_pair_lookup(scores, metric_rank):
+    data = rr.pair_lookup(32, n_keys=10, n_values=5, n_pairs=4, generator=_g(0))
+    torch.manual_seed(0)
+    head = rr.RecallHead(10, 5, 16, 4, scores=scores, metric_rank=metric_rank)
+    before = head.attn.w_q.detach().clone()
+    res = rr.train(head, data, data, rr.TrainConfig(lr=1e-3, steps=1, batch_size=None, eval_interval=1))
+    l0, l1 = res.history["val_loss"]
+    assert l1 < l0 and not torch.equal(head.attn.w_q, before)
+
+
+def test_preset_fields():
+    t = FBC.tiny()
+    assert (t.vocab_size, t.block_size, t.d_model, t.n_heads, t.n_layers, t.mode) == (16, 32, 32, 2, 2,
+                                                                                       "fiber_bundle")
+    s = FBC.small()
+    assert (s.vocab_size, s.block_size, s.d_model, s.n_heads, s.n_layers, s.metric_rank) == (64, 128, 64, 4, 4, 4)
+    a = FBC.attention_stack()
+    assert a.vocab_size is None and a.out_dim is None and (a.skip, a.mlp, a.layer_norm, a.causal) == (False,) * 4
+    assert a.mode == "euclidean" and not a.uses_learned_positions and not a.precondition_ffn_resolved
+    gk = FBC.grokking(98)
+    assert (gk.vocab_size, gk.block_size, gk.n_layers, gk.mode, gk.qk_init, gk.tie_weights) == (
+        98, 3, 1, "euclidean", "orthonormal", False)
+    assert FBC.tiny(d_model=48).d_model == 48 and FBC.grokking(5, n_heads=2).n_heads == 2  # overrides
+    assert t.replace(mode="euclidean") == FBC.tiny(mode="euclidean")
+    with pytest.raises(Exception):  # frozen
+        t.mode = "euclidean"
+
+
+# ------------------------------------------------------------------ attention stacks (rank collapse)
+
+VARIANTS = [
+    dict(mode="euclidean"),
+    dict(mode="riemannian", shared_metric=True, metric_rank=2),
+    dict(mode="riemannian", metric_side="key", metric_rank=2),
+    dict(mode="riemannian", metric_side="query", metric_rank=1),
+    dict(mode="riemannian", metric_side="mean", metric_rank=3),
+    dict(mode="riemannian", connection="flat", metric_rank=2),
+    dict(mode="riemannian", connection="content", metric_side="mean", metric_rank=2),
+]
+ARCHS = [dict(), dict(skip=True), dict(mlp=True), dict(skip=True, mlp=True, layer_norm=True)]
+
+
+def _id(kw):
+    return "-".join(f"{v}" for v in kw.values()) or "pure"
+
+
+def stack(seed=0, **kw):
+    torch.manual_seed(seed)
+    return rr.FiberBundleTransformer(FBC.attention_stack(**{**dict(d_model=16, n_heads=2, n_layers=3), **kw})).double()
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+@pytest.mark.parametrize("arch", ARCHS, ids=_id)
+def test_stack_shapes_and_row_stochastic(gen, variant, arch):
+    model = stack(**variant, **arch)
+    X = torch.randn(2, 5, 16, generator=gen, dtype=DT)
+    out = model(embeds=X, return_hidden=True, return_weights=True)
+    H, W = out.hidden, out.weights
+    assert out.logits is None and out.loss is None  # a bare stack: no head
+    assert H.shape == (4, 2, 5, 16) and W.shape == (3, 2, 2, 5, 5)
+    assert torch.equal(H[0], X)  # no positions, no token embedding
+    assert torch.all(W >= 0)
+    torch.testing.assert_close(W.sum(-1), torch.ones(3, 2, 2, 5, dtype=DT))
+    # the same forward without weights (the blockwise operator instead of the dense path)
+    torch.testing.assert_close(model(embeds=X, return_hidden=True).hidden, H, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(H[-1], H[-2])
+
+
+def test_euclidean_stack_layer_is_sdpa(gen):
+    model = stack(mode="euclidean")
+    attn = model.blocks[0].attn
+    X = torch.randn(2, 5, 16, generator=gen, dtype=DT)
+    q, k, v = attn.project(X)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v)  # bidirectional
+    ref = attn.out_proj(o.transpose(1, 2).reshape(2, 5, 16))
+    torch.testing.assert_close(model(embeds=X, return_hidden=True).hidden[1], ref)  # pure: no skip, no norm
+
+
+def test_fiber_bundle_mode_with_its_components_off_is_riemannian_mode(gen):
+    X = torch.randn(2, 6, 16, generator=gen, dtype=DT)
+    a = stack(mode="riemannian", metric_rank=2, metric_side="mean")
+    b = stack(mode="fiber_bundle", connection="trivial", metric_rank=2, metric_side="mean")
+    assert a.state_dict().keys() == b.state_dict().keys()
+    torch.testing.assert_close(a(embeds=X, return_hidden=True).hidden, b(embeds=X, return_hidden=True).hidden)
+
+
+def test_strength_zero_metrics_agree(gen):
+    """U = 0 at init: per-token metrics are lam I, whatever the side."""
+    X = torch.randn(2, 6, 16, generator=gen, dtype=DT)
+    outs = [stack(mode="riemannian", metric_rank=2, metric_strength=0.0, metric_side=s)(
+        embeds=X, return_hidden=True).hidden for s in ("key", "query", "mean")]
+    torch.testing.assert_close(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], outs[2])
+    hetero = stack(mode="riemannian", metric_rank=2, metric_side="key")(embeds=X, return_hidden=True).hidden
+    assert (hetero - outs[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+@pytest.mark.parametrize("arch", ARCHS, ids=_id)
+def test_identical_rows_are_a_fixed_point_unless_values_are_transported(gen, variant, arch):
+    """Row-stochastic mixing of identical rows gives identical rows; a position-dependent transport does not."""
+    x = torch.randn(2, 1, 16, generator=gen, dtype=DT)
+    X = x.expand(2, 7, 16).contiguous()
+    H = stack(**variant, **arch)(embeds=X, return_hidden=True).hidden
+    r = rr.relative_residual(H[-1], "fro")
+    if variant.get("connection") in ("flat", "content"):
+        assert torch.all(r > 1e-3)
+    else:
+        assert torch.all(r < 1e-12)
+
+
+def test_pure_stack_collapses_and_skip_stops_it(gen):
+    X = torch.randn(4, 16, 16, generator=gen, dtype=DT)
+    pure = stack(n_layers=8)
+    skip = stack(n_layers=8, skip=True, mlp=True, layer_norm=True)
+    assert rr.relative_residual(pure(embeds=X, return_hidden=True).hidden[-1]).max() < 1e-8
+    assert rr.relative_residual(skip(embeds=X, return_hidden=True).hidden[-1]).min() > 1e-2
+
+
+def test_qk_gain_scales_the_frames(gen):
+    a = stack(mode="euclidean").blocks[0].attn
+    b = stack(mode="euclidean", qk_gain=2.0).blocks[0].attn
+    torch.testing.assert_close(b.w_q, 2 * a.w_q)
+    torch.testing.assert_close(b.w_k, 2 * a.w_k)
+    assert torch.equal(b.v_proj.weight, a.v_proj.weight)
+    X = torch.randn(1, 5, 16, generator=gen, dtype=DT)
+    torch.testing.assert_close(b.scores(X), 4 * a.scores(X))  # dot scores scale by qk_gain**2
+
+
+def test_path_products(gen):
+    model = stack(mode="euclidean")
+    X = torch.randn(2, 5, 16, generator=gen, dtype=DT)
+    W = model(embeds=X, return_weights=True).weights
+    P = rr.attention_path_products(W)
+    assert P.shape == (3, 2, 5, 5)
+    torch.testing.assert_close(P[2], W[2, :, 0] @ W[1, :, 0] @ W[0, :, 0])
+    torch.testing.assert_close(P.sum(-1), torch.ones(3, 2, 5, dtype=DT))  # products of stochastic matrices
+    heads = torch.tensor([1, 0, 1])
+    P1 = rr.attention_path_products(W, heads)
+    torch.testing.assert_close(P1[2], W[2, :, 1] @ W[1, :, 0] @ W[0, :, 1])
+    with pytest.raises(ValueError, match="heads must lie in"):
+        rr.attention_path_products(W, torch.tensor([0, 2, 0]))
+    with pytest.raises(ValueError, match="heads must be a long tensor"):
+        rr.attention_path_products(W, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="weights must have"):
+        rr.attention_path_products(W[0])
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mode="cosine"), "mode must be one of"),
+    (dict(d_model=10, n_heads=3), "divisible"),
+    (dict(connection="levi-civita"), "connection must be one of"),
+    (dict(n_layers=0), "n_layers must be an int >= 1"),
+    (dict(qk_gain=0.0), "qk_gain"),
+    (dict(n_classes=4), "n_classes needs a vocab_size"),
+    (dict(precondition_ffn=True), "precondition_ffn needs mlp=True"),
+])
+def test_bad_stack_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        FBC.attention_stack(**kw)
+
+
+def test_bad_stack_input():
+    model = stack()
+    with pytest.raises(ValueError, match=r"embeds must have shape \[B, n, 16\]"):
+        model(embeds=torch.zeros(2, 5, 8, dtype=DT))
+    with pytest.raises(ValueError, match="no token embedding"):
+        model(torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="no head"):
+        model(embeds=torch.zeros(2, 5, 16, dtype=DT), targets=torch.zeros(2, 5, dtype=torch.long))
+
+
+def test_stack_classifier_learns_counting():
+    tr = rr.counting(256, seq_len=6, vocab_size=3, generator=_g(0))
+    va = rr.counting(128, seq_len=6, vocab_size=3, generator=_g(1))
+    torch.manual_seed(0)
+    model = rr.FiberBundleTransformer(FBC.attention_stack(vocab_size=3, n_classes=6, d_model=16, n_heads=2,
+                                                          n_layers=2, skip=True, mlp=True, layer_norm=True))
+    res = rr.train(model, tr, va, rr.TrainConfig(lr=1e-2, steps=60, batch_size=32, eval_interval=60))
+    assert res.history["val_loss"][-1] < 0.8 * res.history["val_loss"][0]
+    assert res.final["val_accuracy"] > 0.5
+
+
+# ------------------------------------------------------------------ the grokking preset (was TinyTransformer)
+
+@pytest.fixture
+def grok():
+    torch.manual_seed(0)
+    return rr.FiberBundleTransformer(FBC.grokking(11, block_size=8, d_model=16, n_heads=2, head_dim=4,
+                                                  mlp_ratio=2, n_layers=2))
+
+
+def test_grokking_shapes_and_orthonormal_frames(grok):
+    x = torch.randint(0, 11, (3, 8), generator=_g(1))
+    assert grok(x).logits.shape == (3, 8, 11)
+    frames = grok.qk_frame_parameters()
+    assert len(frames) == 4 and all(f.shape == (2, 16, 4) for f in frames)
+    assert all(rr.Stiefel().check_point(f.detach(), atol=1e-5)[0] for f in frames)
+    assert grok.lm_head.weight is not grok.tok_emb.weight  # untied head
+
+
+def test_grokking_is_causal(grok):
+    x = torch.randint(0, 11, (2, 8), generator=_g(2))
+    y = x.clone()
+    y[:, 5:] = (y[:, 5:] + 1) % 11
+    with torch.no_grad():
+        a, b = grok(x).logits, grok(y).logits
+    torch.testing.assert_close(a[:, :5], b[:, :5])
+    assert (a[:, 5:] - b[:, 5:]).abs().max() > 1e-4
+
+
+def test_grokking_same_seed_same_model():
+    torch.manual_seed(3)
+    a = rr.FiberBundleTransformer(FBC.grokking(5))
+    torch.manual_seed(3)
+    b = rr.FiberBundleTransformer(FBC.grokking(5))
+    torch.manual_seed(4)
+    c = rr.FiberBundleTransformer(FBC.grokking(5))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+
+
+def test_grokking_reads_modular_arithmetic_and_refuses_long_inputs(grok):
+    train, _ = rr.modular_arithmetic(7, generator=_g(0))
+    model = rr.FiberBundleTransformer(FBC.grokking(train.vocab_size))
+    assert model(train.x).logits.shape == (len(train), 3, 8)
+    with pytest.raises(ValueError, match="exceeds block_size = 8"):
+        grok(torch.zeros(1, 9, dtype=torch.long))
