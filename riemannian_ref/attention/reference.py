@@ -168,5 +168,7 @@ def blockwise_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Te
             l = alpha * l + P.sum(-1)
             acc = alpha.unsqueeze(-1) * acc + P @ value[..., j0:j0 + bk, :]
             m = m_new
-        out.append(acc / l.clamp_min(torch.finfo(l.dtype).tiny).unsqueeze(-1))  # all masked: 0 / tiny = 0
+        # rows with every key masked: 0 / 1 = 0, with a finite gradient (dividing by a tiny clamp
+        # would scale the incoming gradient by 1/tiny, overflow, and give 0 * inf = NaN)
+        out.append(acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1))
     return torch.cat(out, dim=-2)
