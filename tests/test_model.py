@@ -297,7 +297,7 @@ def test_load_refuses_a_pickled_callable_without_calling_it(tmp_path):
         blob = torch.load(f, weights_only=False)
     assert _Boom.calls == 1 and blob["config"] == {}
     plain = tmp_path / "plain.pkl"
-    plain.write_bytes(pickle.dumps(_Boom()))
+    plain.write_bytes(pickle.dumps(_Boom(), protocol=2))
     with pytest.raises(ValueError, match="not a readable"):
         rr.FiberBundleTransformer.load(plain)
     assert _Boom.calls == 1

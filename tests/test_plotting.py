@@ -52,8 +52,15 @@ def test_draw_metric_field_accepts_low_rank_and_returns_patches(ax):
     pts = torch.randn(5, 2, generator=g, dtype=F64)
     patches = rr.draw_metric_field(ax, pts, M, scale=0.2, color=["C0", "C1", "C2", "C3", "C4"])
     assert len(patches) == 5 and all(p in ax.patches for p in patches)
+    G = M.dense()
+    for i, patch in enumerate(patches):  # each ellipse is its point's metric ball, in its colour
+        w, h, a = rr.ellipse_params(G[i], 0.2)
+        assert patch.center == pytest.approx(pts[i].tolist(), abs=1e-12)
+        assert (patch.width, patch.height, patch.angle) == pytest.approx((float(w), float(h), float(a)), rel=1e-12)
+        assert matplotlib.colors.same_color(patch.get_edgecolor(), f"C{i}")
     line = rr.draw_path(ax, pts, color="k")
     assert line in ax.lines
+    assert line.get_xydata() == pytest.approx(pts.numpy(), abs=1e-12)
     fig = ax.figure
     fig.canvas.draw()  # renders without a display
 
