@@ -116,6 +116,11 @@ def test_argmin_keeps_autograd_of_caller_clean(gen):
     r = rr.relative_residual(X, "composite", "argmin")
     r.backward()  # gradient flows through X - 1 x^T with x treated as a constant
     assert X.grad is not None and torch.isfinite(X.grad).all()
+    x = rr.residual_center(X.detach(), "composite", "argmin")  # the same centre, a constant
+    Y = X.detach().clone().requires_grad_(True)
+    (rr.composite_norm(Y - x) / rr.composite_norm(Y)).backward()
+    torch.testing.assert_close(X.grad, Y.grad, rtol=1e-12, atol=1e-12)
+    assert X.grad.abs().max() > 0
 
 
 # ------------------------------------------------------------------ ranks
