@@ -222,6 +222,9 @@ def test_odd_head_dim_is_fine_without_rotations_and_input_errors(gen):
     model = _model(dtype=torch.float32, mode="euclidean")  # learned positions: block_size of them
     with pytest.raises(ValueError, match="exceeds block_size = 32"):
         model(_idx(gen, n=40))
+    rotary = _model(dtype=torch.float32, mode="fiber_bundle", connection="flat")  # no table, same limit
+    with pytest.raises(ValueError, match="exceeds block_size = 32"):
+        rotary(_idx(gen, n=40))
     with pytest.raises(ValueError, match="idx must be"):
         model(torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"idx must hold token ids in \[0, vocab_size\)"):

@@ -245,9 +245,10 @@ class RiemannianAttention(nn.Module):
         if cfg.scores == "metric":
             kw = dict(lam_init=cfg.lam_init, lam_min=cfg.lam_min, strength=cfg.strength,
                       shared=cfg.metric == "shared")
-            # one metric field: a token's metric is the same whether it queries or is queried;
-            # in cross-attention the queries' states need a network of their own
-            self.metric = MetricNet(Dkv, h, d, cfg.rank, **kw)
+            # One metric field: a token's metric is the same whether it queries or is queried.
+            # In cross-attention the two sides are different states: one network per side used.
+            if not cfg.cross_attention or cfg.metric_side in ("key", "mean"):
+                self.metric = MetricNet(Dkv, h, d, cfg.rank, **kw)
             if cfg.cross_attention and cfg.metric_side in ("query", "mean"):
                 self.metric_q = MetricNet(D, h, d, cfg.rank, **kw)
         self.log_temp = nn.Parameter(torch.zeros(h)) if cfg.learn_temperature else None
@@ -332,17 +333,16 @@ class RiemannianAttention(nn.Module):
             B, n, _ = x.shape
             s = self.rates(x).view(B, n, cfg.n_heads, cfg.qk_dim // 2).transpose(1, 2)  # (B, h, n, d/2)
             rates = self.theta.to(x.dtype) * 2.0 * torch.sigmoid(s)
-        if self.metric is None:
+        if cfg.scores == "dot":
             return None, None, None, rates
-        y = x if context is None else context
-        lam, U_k = self.metric(y)  # (h,), (B, h, n_k, d, r) or (h, d, r)
-        U_q = U_k
-        if context is not None and self.metric_q is not None:
-            lam_q, U_q = self.metric_q(x)
-            if cfg.metric_side == "mean":  # (G_i + G_j) / 2 has isotropic part (lam_q + lam_k) / 2
-                lam = 0.5 * (lam + lam_q)
-            else:
-                lam = lam_q
+        if context is None:  # self-attention: one metric per token, on both sides
+            lam, U_k = self.metric(x)  # (h,), (B, h, n, d, r) or (1, h, d, r)
+            U_q = U_k
+        else:
+            lam_k, U_k = self.metric(context) if self.metric is not None else (None, None)
+            lam_q, U_q = self.metric_q(x) if self.metric_q is not None else (None, None)
+            # "mean": (G_i + G_j) / 2 has isotropic part (lam_q + lam_k) / 2
+            lam = lam_k if lam_q is None else lam_q if lam_k is None else 0.5 * (lam_k + lam_q)
         U_q = U_q if cfg.metric_side in ("query", "mean") else None
         U_k = U_k if cfg.metric_side in ("key", "mean") else None
         if self.log_temp is not None:

@@ -201,9 +201,9 @@ class FiberBundleTransformer(nn.Module):
             if x.dim() != 3 or x.shape[-1] != cfg.d_model:
                 raise ValueError(f"embeds must have shape [B, n, {cfg.d_model}], got {shape_str(x)}")
         n = x.shape[1]
+        if n > cfg.block_size:
+            raise ValueError(f"sequence length {n} exceeds block_size = {cfg.block_size}")
         if self.pos_emb is not None:
-            if n > cfg.block_size:
-                raise ValueError(f"sequence length {n} exceeds block_size = {cfg.block_size}")
             x = x + self.pos_emb(torch.arange(n, device=x.device))
         return self.drop(x)
 
