@@ -27,6 +27,11 @@
    it); the second copy throws "Identifier 'THEBE_JS_URL' has already been
    declared" in every reader's console. Drop duplicates from each page's
    script list.
+
+4. The book's own CSS and JS on every page (files in assets/static/):
+   ``rr-book.css`` (inline code wraps on a phone, figures fit the column,
+   the note at frozen widgets) and ``rr-search.js`` (search snippets from
+   the article text, deferred so it runs after Sphinx's searchtools.js).
 """
 from __future__ import annotations
 
@@ -95,6 +100,8 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree):
 
 
 def setup(app):
+    app.add_css_file("rr-book.css")
+    app.add_js_file("rr-search.js", defer="defer")
     app.connect("missing-reference", _missing_reference)
     # Late, after myst-nb and sphinx-thebe have added their scripts.
     app.connect("html-page-context", _dedupe_scripts, priority=900)
