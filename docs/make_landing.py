@@ -189,7 +189,13 @@ def main() -> int:
     fig = hero_figure(res)
     fig.savefig(OUT / "rank_collapse.svg", metadata={"Date": None})
     fig.savefig(OUT / "rank_collapse.pdf", metadata={"CreationDate": None, "ModDate": None})
-    (OUT / "explorer.html").write_text(explorer_block(res).to_html() + "\n")
+    (OUT / "explorer.html").write_text(
+        '<figure class="rr-explorer-figure">\n' + explorer_block(res).to_html()
+        + "\n<figcaption><p>The sweep behind the figure above, one setting at a time: a per-token metric "
+        "(green) on the key, query or mean side at strength 0.25, 1 or 4, against the dot "
+        "product (dashed) and one shared metric of the same strength (purple). Move the "
+        "sliders; the frames are precomputed from the same result file, so this works "
+        "without a Python kernel or a network.</p></figcaption>\n</figure>\n")
     for p in sorted(OUT.iterdir()):
         print(f"{p.relative_to(ROOT)}: {p.stat().st_size / 1e3:.0f} kB")
     return 0
