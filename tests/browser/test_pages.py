@@ -167,7 +167,7 @@ INSPECT = r"""
         const fig = img.closest('figure');
         const cap = fig && fig.querySelector('figcaption, .caption');
         // The width it was drawn for: a retina PNG says so in its style or width.
-        const px = v => v && /^\\d+(\\.\\d+)?(px)?$/.test(v) ? parseFloat(v) : 0;
+        const px = v => v && /^\d+(\.\d+)?(px)?$/.test(v) ? parseFloat(v) : 0;
         const drawn = px(img.style.width) || px(img.getAttribute('width')) || img.naturalWidth;
         return {src: (img.getAttribute('src') || '').slice(0, 80), alt: img.getAttribute('alt') || '',
                 caption: !!(cap && cap.textContent.trim()), hidden: !!img.closest('[hidden]'),
