@@ -82,13 +82,20 @@ def setup() -> None:
 
 
 def _apt_install(packages: list[str], what: str) -> bool:
-    """apt-get install, quietly, as root; False (with a message) when impossible."""
-    if os.name != "posix" or os.geteuid() != 0 or not shutil.which("apt-get"):
+    """apt-get install, quietly, as root (or through passwordless sudo, as on a
+    hosted CI runner); False (with a message) when impossible."""
+    if os.name != "posix" or not shutil.which("apt-get"):
         return False
+    sudo: list[str] = []
+    if os.geteuid() != 0:
+        if not shutil.which("sudo") or subprocess.run(
+                ["sudo", "-n", "true"], capture_output=True).returncode != 0:
+            return False
+        sudo = ["sudo", "-n", "-E"]
     print(f"installing {what} (apt-get, quiet)", flush=True)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]
-    for cmd in (install, ["apt-get", "update", "-qq"], install):
+    install = [*sudo, "apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]
+    for cmd in (install, [*sudo, "apt-get", "update", "-qq"], install):
         try:
             done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE, text=True, timeout=1800)
