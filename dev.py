@@ -160,7 +160,13 @@ def build_pdf() -> None:
 
 
 def fetch_assets() -> None:
-    """MathJax, require.js and the widget manager into assets/vendor/ (once)."""
+    """MathJax, require.js and the widget manager into assets/vendor/ (once).
+
+    assets/fetch_vendor.py fetches them with `npm pack`; where npm is missing,
+    Debian's `npm` is installed like Chromium (as root or through sudo).
+    """
+    if not (shutil.which("npm") or (ROOT / "assets" / "vendor" / ".lock-sha256").exists()):
+        _apt_install(["npm"], "npm to fetch the book's offline assets")
     _run([sys.executable, ROOT / "assets" / "fetch_vendor.py"])
 
 
