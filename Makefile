@@ -1,5 +1,5 @@
 # Thin wrappers around dev.py, which does the work with only Python and pip.
-.PHONY: setup book test execute bench clean
+.PHONY: setup book test pdf execute bench clean
 
 setup:
 	python3 dev.py setup
@@ -9,6 +9,9 @@ book:
 
 test:
 	python3 dev.py test
+
+pdf:
+	python3 dev.py pdf
 
 # Re-run every notebook in place (stored outputs + widget state).
 execute:

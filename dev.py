@@ -6,6 +6,8 @@ Usage (from the repository root, with only Python >= 3.10 and pip):
     python3 dev.py book      # create .venv, install, build _build/html
     python3 dev.py test      # same set-up, then unit tests + every notebook
                              # under strict nbval + the book build with -W
+    python3 dev.py pdf       # same set-up, then the whole book as one PDF
+                             # (_build/latex/book.pdf, copied beside the HTML)
     python3 dev.py execute [chapters/NN_x.ipynb ...]
                              # re-run notebooks in place, storing outputs and
                              # widget state (what the book renders)
@@ -14,10 +16,11 @@ The virtual environment is rebuilt when requirements.txt or pyproject.toml
 change (a hash stamp in .venv). Nothing here needs a GPU.
 
 The book serves MathJax, require.js and the Jupyter widget manager itself, so
-that it reads offline: `book` and `test` fetch them once from the npm registry
+that it reads offline: `book` and `test` fetch them once with `npm pack`
 (versions and hashes pinned in assets/vendor.lock.json) into assets/vendor/.
 `setup` and `test` also install Debian's `chromium` for the browser test
-(tests/browser) when it is missing and they run as root with apt-get.
+(tests/browser), and `pdf` Debian's TeX (xelatex, latexmk), when they are
+missing and this runs as root with apt-get.
 """
 from __future__ import annotations
 
@@ -78,6 +81,34 @@ def setup() -> None:
     STAMP.write_text(want)
 
 
+def _apt_install(packages: list[str], what: str) -> bool:
+    """apt-get install, quietly, as root (or through passwordless sudo, as on a
+    hosted CI runner); False (with a message) when impossible."""
+    if os.name != "posix" or not shutil.which("apt-get"):
+        return False
+    sudo: list[str] = []
+    if os.geteuid() != 0:
+        if not shutil.which("sudo") or subprocess.run(
+                ["sudo", "-n", "true"], capture_output=True).returncode != 0:
+            return False
+        sudo = ["sudo", "-n", "-E"]
+    print(f"installing {what} (apt-get, quiet)", flush=True)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install = [*sudo, "apt-get", "install", "-y", "-qq", "--no-install-recommends", *packages]
+    for cmd in (install, [*sudo, "apt-get", "update", "-qq"], install):
+        try:
+            done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, timeout=1800)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            print(f"could not install {what} ({exc})", flush=True)
+            return False
+        if cmd is install and done.returncode == 0:
+            return True
+    print(f"could not install {what} (apt-get: "
+          f"{done.stderr.strip().splitlines()[-1:] or done.returncode})", flush=True)
+    return False
+
+
 def ensure_chromium() -> None:
     """Install Chromium for the browser test where we can; never fail.
 
@@ -87,30 +118,55 @@ def ensure_chromium() -> None:
     names = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
     if os.environ.get("RR_CHROMIUM") or any(shutil.which(n) for n in names):
         return
-    if os.name != "posix" or os.geteuid() != 0 or not shutil.which("apt-get"):
-        print("no Chromium found: the browser test will be skipped "
+    if not _apt_install(["chromium"], "chromium for the browser test"):
+        print("no Chromium: the browser test will be skipped "
               "(install `chromium`, or set RR_CHROMIUM to a Chrome/Chromium binary)", flush=True)
-        return
-    print("installing chromium for the browser test (apt-get, quiet)", flush=True)
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"]
-    for cmd in (install, ["apt-get", "update", "-qq"], install):
-        try:
-            done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True, timeout=900)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            print(f"could not install chromium ({exc}); the browser test will be skipped",
-                  flush=True)
-            return
-        if cmd is install and done.returncode == 0:
-            return
-    print("could not install chromium (apt-get: "
-          f"{done.stderr.strip().splitlines()[-1:] or done.returncode}); "
-          "the browser test will be skipped", flush=True)
+
+
+# Debian's TeX for Sphinx's LaTeX builder with xelatex (Sphinx's own list for
+# xelatex: the FreeFont OpenType fonts, the extra LaTeX packages, latexmk).
+TEX_PACKAGES = ["texlive-xetex", "texlive-latex-recommended", "texlive-latex-extra",
+                "texlive-fonts-recommended", "fonts-freefont-otf", "latexmk"]
+
+
+def ensure_tex() -> bool:
+    """xelatex and latexmk, installed where we can; never raises."""
+    if shutil.which("xelatex") and shutil.which("latexmk"):
+        return True
+    return _apt_install(TEX_PACKAGES, "TeX for the PDF (xelatex, about 600 MB)") \
+        and bool(shutil.which("xelatex") and shutil.which("latexmk"))
+
+
+PDF_NAME = "riemannian-attention.pdf"  # the landing page links ../riemannian-attention.pdf
+
+
+def build_pdf() -> None:
+    """The whole book through Sphinx's LaTeX builder and xelatex."""
+    if not ensure_tex():
+        raise SystemExit("the PDF needs xelatex and latexmk (Debian: "
+                         + " ".join(TEX_PACKAGES) + "); install them, or run this as root "
+                         "with apt-get so that dev.py can")
+    shutil.rmtree(ROOT / "_build" / "latex", ignore_errors=True)
+    _run([BIN / "jupyter-book", "build", ".", "--path-output", ".", "--builder", "pdflatex"])
+    pdf = ROOT / "_build" / "latex" / "book.pdf"
+    if not pdf.exists():
+        raise SystemExit(f"no PDF at {pdf}: see the LaTeX log in {pdf.parent}")
+    # Beside the HTML, where the landing page's link points.
+    html = ROOT / "_build" / "html"
+    if html.exists():
+        shutil.copy(pdf, html / PDF_NAME)
+    print(f"pdf: {pdf} ({pdf.stat().st_size / 1e6:.1f} MB)"
+          + (f", copied to {html / PDF_NAME}" if html.exists() else ""), flush=True)
 
 
 def fetch_assets() -> None:
-    """MathJax, require.js and the widget manager into assets/vendor/ (once)."""
+    """MathJax, require.js and the widget manager into assets/vendor/ (once).
+
+    assets/fetch_vendor.py fetches them with `npm pack`; where npm is missing,
+    Debian's `npm` is installed like Chromium (as root or through sudo).
+    """
+    if not (shutil.which("npm") or (ROOT / "assets" / "vendor" / ".lock-sha256").exists()):
+        _apt_install(["npm"], "npm to fetch the book's offline assets")
     _run([sys.executable, ROOT / "assets" / "fetch_vendor.py"])
 
 
@@ -174,7 +230,7 @@ def execute(paths: list[str]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"setup", "book", "test", "execute"}:
+    if not argv or argv[0] not in {"setup", "book", "test", "execute", "pdf"}:
         print(__doc__)
         return 2
     cmd, rest = argv[0], argv[1:]
@@ -187,6 +243,8 @@ def main(argv: list[str]) -> int:
         test(rest)
     elif cmd == "execute":
         execute(rest)
+    elif cmd == "pdf":
+        build_pdf()
     return 0
 
 

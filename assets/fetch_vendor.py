@@ -1,26 +1,29 @@
 #!/usr/bin/env python3
-"""Fetch the book's third-party browser assets from the npm registry.
+"""Fetch the book's third-party browser assets with npm.
 
 The built book must render with no network: MathJax typesets the math,
 require.js and the Jupyter widget manager render the saved ipywidgets state.
 Instead of the CDNs Sphinx and myst-nb use by default, the book serves these
 files itself from ``_static/`` (``_config.yml`` points ``mathjax_path`` and
 ``nb_ipywidgets_js`` there). They are too large to commit, so this script
-downloads the exact tarballs pinned in ``assets/vendor.lock.json``, checks
-each against its npm ``integrity`` hash (sha512), and unpacks only the files
-listed there into ``assets/vendor/`` (git-ignored), which Sphinx copies into
+fetches the exact package versions pinned in ``assets/vendor.lock.json`` with
+``npm pack NAME@VERSION`` (npm's ordinary client, which knows the registry it
+is configured for; nothing here names a host), checks each tarball against its
+pinned sha512 ``integrity``, and unpacks only the files listed there into
+``assets/vendor/`` (git-ignored), which Sphinx copies into
 ``_build/html/_static/``. The files are used as published, unmodified; the
-glue the book needs (module paths, MathJax 3 for widget labels) is the
-book's own ``assets/static/rr-widgets-offline.js``.
+glue the book needs (module paths, MathJax 3 for widget labels) is the book's
+own ``assets/static/rr-widgets-offline.js``.
 
-Usage (``python3 dev.py setup`` and ``python3 dev.py book`` run it)::
+Usage (``python3 dev.py book`` and ``python3 dev.py test`` run it)::
 
     python3 assets/fetch_vendor.py          # no-op when already up to date
-    python3 assets/fetch_vendor.py --force  # re-download
+    python3 assets/fetch_vendor.py --force  # fetch again
 
-Only the standard library is used. ``RR_NPM_REGISTRY`` (or
-``npm_config_registry``) selects a registry mirror. Exit status 1 with a
-message when the registry cannot be reached and the assets are not present.
+Needs ``npm`` on PATH (Node.js; ``dev.py`` installs Debian's ``npm`` where it
+can); npm's own settings (``npm config``, ``npm_config_registry``) choose the
+registry or a mirror. Exit status 1 with a message when npm is missing or
+cannot fetch a package and the assets are not present.
 """
 from __future__ import annotations
 
@@ -34,8 +37,8 @@ import os
 import shutil
 import sys
 import tarfile
+import subprocess
 import tempfile
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -51,19 +54,28 @@ def _want() -> str:
     return h.hexdigest()
 
 
-def _registry(lock: dict) -> str:
-    url = (os.environ.get("RR_NPM_REGISTRY") or os.environ.get("npm_config_registry")
-           or lock["registry"])
-    return url.rstrip("/")
+def _npm() -> str:
+    npm = shutil.which("npm") or shutil.which("npm.cmd")
+    if npm is None:
+        raise RuntimeError("npm is not on PATH (install Node.js with npm, e.g. Debian's `npm`)")
+    return npm
 
 
-def _download(url: str, integrity: str) -> bytes:
+def _npm_pack(name: str, version: str, integrity: str, dest: Path) -> bytes:
+    """The package tarball as npm fetches it, checked against the pinned hash."""
+    done = subprocess.run([_npm(), "pack", f"{name}@{version}", "--json", "--silent",
+                           "--pack-destination", str(dest)],
+                          cwd=dest, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise RuntimeError(f"npm pack {name}@{version} failed: {tail}")
+    filename = json.loads(done.stdout)[0]["filename"]
+    data = (dest / filename).read_bytes()
     algo, _, want = integrity.partition("-")
-    with urllib.request.urlopen(url, timeout=60) as resp:  # noqa: S310 (https URL from the lock file)
-        data = resp.read()
     got = base64.b64encode(hashlib.new(algo, data).digest()).decode()
     if got != want:
-        raise RuntimeError(f"{url}: {algo} integrity mismatch (expected {want}, got {got})")
+        raise RuntimeError(f"{name}@{version}: {algo} integrity mismatch "
+                           f"(pinned {want}, npm gave {got})")
     return data
 
 
@@ -95,14 +107,13 @@ def fetch(force: bool = False) -> Path:
     if not force and STAMP.exists() and STAMP.read_text().strip() == want:
         return DEST
     lock = json.loads(LOCK.read_text())
-    registry = _registry(lock)
     tmp = Path(tempfile.mkdtemp(prefix="vendor-", dir=HERE))
+    packs = Path(tempfile.mkdtemp(prefix="npm-pack-"))
     try:
         for pkg in lock["packages"]:
-            url = f"{registry}/{pkg['tarball']}"
-            print(f"fetching {pkg['name']}@{pkg['version']} ({pkg['license']}) from {registry}",
+            print(f"fetching {pkg['name']}@{pkg['version']} ({pkg['license']}) with npm pack",
                   flush=True)
-            data = _download(url, pkg["integrity"])
+            data = _npm_pack(pkg["name"], pkg["version"], pkg["integrity"], packs)
             with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
                 for member, dst in _select(tar.getmembers(), pkg["files"]):
                     target = (tmp / dst).resolve()
@@ -116,6 +127,7 @@ def fetch(force: bool = False) -> Path:
         tmp.rename(DEST)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(packs, ignore_errors=True)
     return DEST
 
 
@@ -125,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         dest = fetch(force=args.force)
-    except (OSError, RuntimeError, tarfile.TarError) as exc:
+    except (OSError, RuntimeError, ValueError, KeyError, subprocess.TimeoutExpired,
+            tarfile.TarError) as exc:
         print(f"could not fetch the book's offline assets: {exc}\n"
               "The book needs them to render math and widgets without a network. "
-              "Run this again with network access to the npm registry "
-              "(or set RR_NPM_REGISTRY to a mirror).", file=sys.stderr)
+              "Run this again where npm can reach its registry (npm's own settings "
+              "choose the registry or a mirror).", file=sys.stderr)
         return 1
     n = sum(1 for p in dest.rglob("*") if p.is_file())
     size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())

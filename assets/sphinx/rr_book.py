@@ -35,6 +35,18 @@
    it); the second copy throws "Identifier 'THEBE_JS_URL' has already been
    declared" in every reader's console. Drop duplicates from each page's
    script list.
+
+4. One search box. pydata-sphinx-theme 0.17 adds a full-width header bar
+   holding a second search button unless ``navbar_persistent`` is set;
+   sphinx-book-theme already has one in its sidebar (three boxes on the
+   search page). Set here, not in _config.yml, because Jupyter Book replaces
+   the whole ``html_theme_options`` (repository and launch buttons included)
+   with whatever ``sphinx: config:`` gives.
+
+5. The book's own CSS and JS on every page (files in assets/static/):
+   ``rr-book.css`` (inline code wraps on a phone, figures fit the column,
+   the note at frozen widgets) and ``rr-search.js`` (search snippets from
+   the article text, deferred so it runs after Sphinx's searchtools.js).
 """
 from __future__ import annotations
 
@@ -162,7 +174,14 @@ def _dedupe_scripts(app, pagename, templatename, context, doctree):
     scripts[:] = unique
 
 
+def _one_search_box(app, config):
+    config.html_theme_options.setdefault("navbar_persistent", [])
+
+
 def setup(app):
+    app.connect("config-inited", _one_search_box)
+    app.add_css_file("rr-book.css")
+    app.add_js_file("rr-search.js", defer="defer")
     app.connect("missing-reference", _missing_reference)
     app.connect("builder-inited", _collect_uses)
     app.connect("autodoc-process-docstring", _seen_in)

@@ -12,10 +12,20 @@ sent to a closed port. A page passes when
   ``\\begin{`` or reST ``:math:`` is left in the text outside code;
 * every ``<img>`` has loaded (``naturalWidth > 0``);
 * where the page carries saved widget state, every widget view has rendered
-  to widget DOM elements.
+  to widget DOM elements, and is honest without a kernel: its controls are
+  switched off and a note sits at the widget (assets/static/rr-widgets-offline.js);
+* every kernel-free explorer (chapters/_book.py) shows another frame when a
+  slider moves;
+* no script larger than 500 kB blocks the first paint (a classic script
+  without ``async``/``defer`` before the article);
+* one search box;
+* at a phone's width (390 px) the page does not scroll sideways;
+* on the pages listed in ``strict_pages.txt``: every image of the text is in
+  a figure with a caption, has alt text that says something (not a file name
+  or a hash) and is not shrunk below 3/4 of the width it was drawn for.
 
 A screenshot of each page goes to ``_build/screenshots/`` for review, with a
-close-up of each rendered widget.
+close-up of each rendered widget, and one at 390 px under ``phone/``.
 
 ``python3 dev.py test`` runs this after it has built the book. The tests are
 skipped only when no Chromium binary is found (``RR_CHROMIUM`` may name one);
@@ -35,6 +45,10 @@ ROOT = Path(__file__).resolve().parents[2]
 HTML = ROOT / "_build" / "html"
 SHOTS = ROOT / "_build" / "screenshots"
 TIMEOUT_S = 120  # per page; the shared CI machine can be slow
+BLOCKING_LIMIT = 500_000  # bytes: the largest script allowed to hold back the first paint
+PHONE_WIDTH = 390
+STRICT = {line.strip() for line in (Path(__file__).parent / "strict_pages.txt").read_text().splitlines()
+          if line.strip() and not line.startswith("#")}
 
 # Sphinx's search page only shows results for a query typed into it; it has
 # no content of its own to check. Every other page is read.
@@ -125,20 +139,118 @@ INSPECT = r"""
       const r = s.parentElement.getBoundingClientRect();
       return {x: r.left + window.scrollX, y: r.top + window.scrollY, width: r.width, height: r.height};
     }),
+    // Without a kernel a widget's controls must be off, with a note at it.
+    widgetsLive: views.map(s => {
+      const box = s.parentElement;
+      const controls = [...box.querySelectorAll(
+        'input, select, textarea, button, .noUi-target, [contenteditable="true"]')];
+      const live = controls.filter(c => !(c.disabled || c.hasAttribute('disabled')));
+      return {note: !!box.querySelector('.rr-widget-note'),
+              live: live.map(c => c.tagName + '.' + (c.className || '').toString().slice(0, 40))};
+    }).filter(w => !w.note || w.live.length),
+    // Classic scripts without async/defer before the article hold back the first paint.
+    blockingScripts: (() => {
+      const article = document.querySelector('article') || document.body.lastElementChild;
+      return [...document.scripts].filter(sc => sc.src && !sc.async && !sc.defer
+        && (!sc.type || /javascript/.test(sc.type))
+        && (sc.compareDocumentPosition(article) & Node.DOCUMENT_POSITION_FOLLOWING))
+        .map(sc => sc.src);
+    })(),
+    searchBoxes: [...document.querySelectorAll('.search-button-field, input[name="q"]')]
+      .filter(e => e.offsetParent !== null && e.getBoundingClientRect().width > 0).length,
+    // Every image of the text: caption, alt text, shown at the size drawn for.
+    figures: (() => {
+      const article = document.querySelector('article.bd-article');
+      if (!article) return [];
+      const column = article.getBoundingClientRect().width;
+      return [...article.querySelectorAll('img')].map(img => {
+        const fig = img.closest('figure');
+        const cap = fig && fig.querySelector('figcaption, .caption');
+        // The width it was drawn for: a retina PNG says so in its style or width.
+        const px = v => v && /^\d+(\.\d+)?(px)?$/.test(v) ? parseFloat(v) : 0;
+        const drawn = px(img.style.width) || px(img.getAttribute('width')) || img.naturalWidth;
+        return {src: (img.getAttribute('src') || '').slice(0, 80), alt: img.getAttribute('alt') || '',
+                caption: !!(cap && cap.textContent.trim()), hidden: !!img.closest('[hidden]'),
+                width: img.getBoundingClientRect().width, drawn, column};
+      });
+    })(),
   };
 })()
 """
 
+# Moves every slider of every kernel-free explorer and reports the ones whose
+# visible frame did not change.
+EXPLORE = r"""
+(() => {
+  const shown = root => [...root.querySelectorAll('img[data-rr-key]')].filter(i => !i.hidden)
+    .map(i => i.getAttribute('data-rr-key'));
+  const stuck = [];
+  document.querySelectorAll('.rr-explorer').forEach((root, k) => {
+    root.querySelectorAll('input[data-rr-dim]').forEach(s => {
+      const before = shown(root).join();
+      const old = +s.value;
+      s.value = old > +s.min ? old - 1 : old + 1;
+      s.dispatchEvent(new Event('input', {bubbles: true}));
+      const after = shown(root);
+      if (after.length !== 1 || after[0] === before) stuck.push(`explorer ${k}, slider ${s.dataset.rrDim}`);
+      s.value = old;
+      s.dispatchEvent(new Event('input', {bubbles: true}));
+    });
+  });
+  return {explorers: document.querySelectorAll('.rr-explorer').length, stuck};
+})()
+"""
 
-@pytest.fixture(scope="module")
-def browser():
+# At a phone's width: what sticks out of the page (text that does not wrap).
+PHONE = r"""
+(() => {
+  const W = document.documentElement.clientWidth;
+  const scrolls = e => { for (let p = e.parentElement; p; p = p.parentElement) {
+    const o = getComputedStyle(p).overflowX; if (o === 'auto' || o === 'scroll' || o === 'hidden') return true; }
+    return false; };
+  const wide = [...document.body.querySelectorAll('*')].filter(e => !e.children.length
+    && e.getBoundingClientRect().right > W + 1 && !scrolls(e))
+    .slice(0, 5).map(e => `${e.tagName.toLowerCase()}.${e.className}: ${(e.textContent || '').trim().slice(0, 50)}`);
+  return {scrollWidth: document.scrollingElement.scrollWidth, width: W, wide};
+})()
+"""
+
+
+def _bad_alt(alt: str) -> bool:
+    """Empty, a file name or a hash: alt text that tells a reader nothing."""
+    a = alt.strip()
+    return (not a or bool(re.search(r"\.(png|jpe?g|svg|gif)$", a, re.I)) or "_images/" in a
+            or bool(re.fullmatch(r"[0-9a-f]{16,}", a)))
+
+
+def _chromium() -> str:
     binary = find_chromium()
     if binary is None:
         pytest.skip("no Chromium binary on PATH (install Debian's `chromium`, or set "
                     "RR_CHROMIUM); `python3 dev.py setup` installs it when run as root with apt-get")
-    b = Browser(binary)
+    return binary
+
+
+@pytest.fixture(scope="module")
+def browser():
+    b = Browser(_chromium())
     yield b
     b.close()
+
+
+@pytest.fixture(scope="module")
+def phone():
+    b = Browser(_chromium(), width=PHONE_WIDTH, height=844)
+    yield b
+    b.close()
+
+
+def _script_file(url: str) -> Path | None:
+    if not url.startswith("file:"):
+        return None
+    from urllib.parse import unquote, urlparse
+
+    return Path(unquote(urlparse(url).path))
 
 
 def test_book_is_built():
@@ -167,6 +279,7 @@ def test_page_reads_offline(browser, page):
         tab.screenshot(SHOTS / f"{stem}.png")
         for i, box in enumerate(info["widgetBoxes"]):  # widgets further down than the cut
             tab.screenshot_region(SHOTS / f"{stem}__widget{i}.png", box)
+        explore = tab.evaluate(EXPLORE)
         errors = tab.console_errors()
         failed = tab.failed_loads()
         external = tab.external_requests()
@@ -198,6 +311,61 @@ def test_page_reads_offline(browser, page):
     if info["widgetState"] and info["widgetsNotRendered"]:
         problems.append(f"{info['widgetsNotRendered']} of {info['widgetViews']} widgets did not "
                         "render from the saved state")
+    if info["widgetState"] and info["widgetsLive"]:
+        problems.append("widgets that look live without a kernel (controls on, or no note at "
+                        f"the widget): {info['widgetsLive'][:3]}")
+    if explore["stuck"]:
+        problems.append(f"explorer sliders that do not change the figure: {explore['stuck']}")
+    sizes = {u: f.stat().st_size for u in info["blockingScripts"]
+             if (f := _script_file(u)) is not None and f.is_file()}
+    if sizes and max(sizes.values()) > BLOCKING_LIMIT:
+        big = max(sizes, key=sizes.get)
+        problems.append(f"a {sizes[big] / 1e3:.0f} kB script blocks the first paint: {big}")
+    if info["searchBoxes"] > 1:
+        problems.append(f"{info['searchBoxes']} search boxes on the page")
+    if page in STRICT:
+        for f in info["figures"]:
+            where = f"image {f['src']!r}"
+            if _bad_alt(f["alt"]):
+                problems.append(f"{where}: alt text {f['alt']!r} says nothing")
+            if f["hidden"]:
+                continue  # an explorer's other frames: alt text only
+            if not f["caption"]:
+                problems.append(f"{where}: not in a figure with a caption")
+            if f["width"] > f["column"] + 1:
+                problems.append(f"{where}: {f['width']:.0f} px wide, column {f['column']:.0f} px")
+            if f["drawn"] and f["width"] < 0.75 * f["drawn"]:
+                problems.append(f"{where}: drawn {f['drawn']:.0f} px wide, shown at "
+                                f"{f['width'] / f['drawn']:.2f}x (text too small)")
     summary = {k: info[k] for k in ("title", "mathNodes", "mjxContainers", "widgetViews",
-                                     "widgetElements")} | {"images": len(info["images"])}
+                                     "widgetElements")} | {"images": len(info["images"]),
+                                                           "explorers": explore["explorers"]}
     assert not problems, f"{page} ({json.dumps(summary)}):\n  " + "\n  ".join(problems)
+
+
+@pytest.mark.parametrize("page", _pages())
+def test_page_fits_a_phone(phone, page):
+    """At 390 px nothing pushes the page sideways (code blocks scroll in their box)."""
+    if _redirect(page) is not None:
+        return
+    tab = phone.open((HTML / page).as_uri(), timeout=TIMEOUT_S)
+    try:
+        tab.evaluate("new Promise(r => setTimeout(r, 500))")
+        info = tab.evaluate(PHONE)
+        if page in STRICT:
+            tab.screenshot(SHOTS / "phone" / f"{page.removesuffix('.html').replace('/', '__')}.png")
+    finally:
+        tab.close()
+    assert info["scrollWidth"] <= info["width"] + 1, (
+        f"{page} is {info['scrollWidth']} px wide at {info['width']} px: {info['wide']}")
+
+
+def test_search_page_has_one_search_box(browser):
+    """The search page's own form, and no second box in a header bar."""
+    tab = browser.open((HTML / "search.html").as_uri(), timeout=TIMEOUT_S)
+    try:
+        n = tab.evaluate("[...document.querySelectorAll('.search-button-field, input[name=\"q\"]')]"
+                         ".filter(e => e.offsetParent !== null).length")
+    finally:
+        tab.close()
+    assert n <= 2, f"{n} search boxes on search.html (the page's form and the sidebar's at most)"

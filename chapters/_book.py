@@ -1,0 +1,225 @@
+"""Figures that move without a kernel: precomputed frames behind sliders.
+
+An ipywidgets explorer needs a running Python kernel; in the static book its
+sliders move while its plot stays put. :func:`explorer` instead draws the
+figure once for every point of a small grid of parameter values and returns
+one self-contained HTML block: a slider per parameter and the frames as
+embedded SVG (or PNG) images, switched by a few lines of inline JavaScript. It needs no
+kernel, no network and no file beside the page, so the cell's stored output
+works in the built book, under ``file://`` and in Jupyter alike.
+
+Use it from a chapter (the notebooks run from ``chapters/``, so this module
+imports as ``_book`` under nbval, ``dev.py execute``, Binder and the Colab
+bootstrap cell)::
+
+    from _book import explorer
+    from myst_nb import glue
+
+    def draw(side, strength):
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        ...
+        return fig
+
+    glue("fig-explore", explorer(draw, {"side": ["key", "query", "mean"],
+                                        "strength": [0.25, 1, 4]},
+                                 alt="Residual against depth, {side}-side metric, "
+                                     "strength {strength}"), display=False)
+
+and in a Markdown cell ``{glue:figure} fig-explore`` with a caption and a
+``:name:``, as for any other figure (CONTRIBUTING.md). The output also carries
+the default frame as ``image/png``, which is what the PDF prints.
+
+Keep grids small (every frame is in the page): about 10 to 30 frames of a
+6.4-inch figure; SVG frames of a line plot are about 30 kB each (5 kB as the
+site serves them, gzipped), palette PNG frames 20 to 40 kB.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import itertools
+import json
+from urllib.parse import quote
+from typing import Callable, Mapping, Sequence
+
+__all__ = ["explorer", "Explorer"]
+
+# One delegated listener per page, installed by the first explorer's script;
+# each explorer finds its frames from its own DOM (no ids, no currentScript).
+_SCRIPT = """<script>(function () {
+  if (window.rrExplorerReady) return;
+  window.rrExplorerReady = true;
+  function update(root) {
+    var sliders = root.querySelectorAll("input[data-rr-dim]");
+    var key = [];
+    sliders.forEach(function (s) {
+      var labels = JSON.parse(s.getAttribute("data-rr-labels"));
+      var out = s.parentElement.querySelector("output");
+      if (out) out.textContent = labels[+s.value];
+      s.setAttribute("aria-valuetext", labels[+s.value]);
+      key.push(s.value);
+    });
+    key = key.join(",");
+    root.querySelectorAll("img[data-rr-key]").forEach(function (img) {
+      img.hidden = img.getAttribute("data-rr-key") !== key;
+    });
+  }
+  document.addEventListener("input", function (e) {
+    var root = e.target.closest && e.target.closest(".rr-explorer");
+    if (root && e.target.hasAttribute("data-rr-dim")) update(root);
+  });
+})();</script>"""
+
+_STYLE = (
+    "<style>.rr-explorer{margin:0.5rem 0}"
+    ".rr-explorer-controls{display:flex;flex-wrap:wrap;gap:0.25rem 1.5rem;"
+    "font-size:0.9rem;margin-bottom:0.25rem}"
+    ".rr-explorer-controls label{display:flex;align-items:center;gap:0.5rem}"
+    ".rr-explorer-controls input{width:9rem}"
+    ".rr-explorer-controls output{min-width:3rem;font-variant-numeric:tabular-nums}"
+    ".rr-explorer img{display:block;width:100%;max-width:100%;height:auto}"
+    ".rr-explorer img[hidden]{display:none!important}</style>"
+)
+
+
+def _svg_uri(fig) -> str:
+    """The figure as an SVG data URI (percent-encoded, so it gzips well)."""
+    import matplotlib
+
+    buf = io.BytesIO()
+    with matplotlib.rc_context({"svg.hashsalt": "rr-explorer"}):  # reproducible ids
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+    return "data:image/svg+xml," + quote(buf.getvalue().decode(), safe=" /=:;,.-_()'!*~@")
+
+
+def _png(fig, dpi: int, colors: int | None) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": None})
+    if not colors:
+        return buf.getvalue()
+    from PIL import Image  # matplotlib depends on Pillow
+
+    img = Image.open(io.BytesIO(buf.getvalue())).convert("RGB")
+    out = io.BytesIO()
+    img.quantize(colors=colors, dither=Image.Dither.NONE).save(out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
+class Explorer:
+    """The frames and their HTML; displays as the interactive block.
+
+    Attributes
+    ----------
+    names : list of str
+        Parameter names, one slider each, in the order given.
+    values : list of list
+        The grid of each parameter.
+    frames : dict
+        ``(i, j, ...)`` index tuple -> the frame as a data URI (SVG or PNG).
+    default : tuple of int
+        Index of the frame shown first.
+    default_png : bytes
+        The default frame as PNG: what the PDF (and nbconvert) prints.
+    """
+
+    def __init__(self, names, values, frames, default, default_png, alt, width_px):
+        self.names, self.values, self.frames = names, values, frames
+        self.default, self.default_png = default, default_png
+        self.alt, self.width_px = alt, width_px
+
+    def _alt(self, idx) -> str:
+        params = {n: v[i] for n, v, i in zip(self.names, self.values, idx)}
+        return self.alt.format(**params)
+
+    def to_html(self) -> str:
+        parts = ['<div class="rr-explorer">', _STYLE, '<div class="rr-explorer-controls">']
+        for dim, (name, vals) in enumerate(zip(self.names, self.values)):
+            labels = [f"{v:g}" if isinstance(v, float) else str(v) for v in vals]
+            parts.append(
+                f'<label>{html.escape(name)} <input type="range" min="0" max="{len(vals) - 1}" '
+                f'step="1" value="{self.default[dim]}" data-rr-dim="{dim}" '
+                f"data-rr-labels='{html.escape(json.dumps(labels), quote=True)}' "
+                f'aria-valuetext="{html.escape(labels[self.default[dim]])}">'
+                f"<output>{html.escape(labels[self.default[dim]])}</output></label>")
+        parts.append("</div>")
+        for idx, uri in self.frames.items():
+            hidden = "" if idx == self.default else " hidden"
+            parts.append(
+                f'<img data-rr-key="{",".join(map(str, idx))}"{hidden} width="{self.width_px}" '
+                f'alt="{html.escape(self._alt(idx), quote=True)}" src="{uri}">')
+        parts += [_SCRIPT, "</div>"]
+        return "\n".join(parts)
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        summary = ", ".join(f"{n}: {len(v)} values" for n, v in zip(self.names, self.values))
+        return {
+            "text/html": self.to_html(),
+            "image/png": base64.b64encode(self.default_png).decode(),
+            "text/plain": f"<explorer: {len(self.frames)} frames ({summary})>",
+        }
+
+
+def explorer(draw: Callable[..., object], grid: Mapping[str, Sequence], *, alt: str,
+             default: Mapping[str, object] | None = None, fmt: str = "svg",
+             dpi: int = 200, colors: int | None = 64) -> Explorer:
+    """Draw ``draw(**params)`` for every point of ``grid``; sliders switch frames.
+
+    Parameters
+    ----------
+    draw : callable
+        Returns a matplotlib figure for one combination of keyword arguments;
+        the figure is closed after it is saved. Frames fill the text column
+        (about 690 px), so size fonts for that: 5.6 inches wide with 11-point
+        text stays legible on a 390 px phone. Give every frame the same
+        ``figsize`` and fixed axis limits, so that only the data move.
+    grid : mapping of str to sequence
+        Parameter name -> the values its slider steps through.
+    alt : str
+        Alt text of each frame, a format string over the parameter names
+        (``"... strength {strength}"``): what the frame shows, in words.
+    default : mapping, optional
+        The frame shown first and printed in the PDF (default: the first value
+        of every parameter).
+    fmt : {"svg", "png"}
+        Format of the frames. SVG (default) is sharp at any size and small for
+        line plots (about 30 kB a frame, 5 kB gzipped as the site serves it);
+        PNG suits images and dense scatter plots.
+    dpi : int
+        Resolution of PNG frames (and of the PDF's default frame); 200 is
+        sharp on high-DPI screens.
+    colors : int or None
+        Reduce PNG frames to this many colours (a palette PNG, about a third of
+        the size); None keeps full colour.
+
+    Returns
+    -------
+    Explorer
+        Displays as the interactive HTML block (``text/html``) with the default
+        frame as ``image/png`` beside it.
+    """
+    names = list(grid)
+    values = [list(grid[n]) for n in names]
+    if not names or any(len(v) == 0 for v in values):
+        raise ValueError(f"grid needs at least one value per parameter, got {dict(grid)!r}")
+    default = default or {}
+    unknown = set(default) - set(names)
+    if unknown:
+        raise ValueError(f"default names parameters not in grid: {sorted(unknown)}")
+    if fmt not in ("svg", "png"):
+        raise ValueError(f"fmt must be 'svg' or 'png', got {fmt!r}")
+    import matplotlib.pyplot as plt
+
+    start = tuple(v.index(default[n]) if n in default else 0 for n, v in zip(names, values))
+    frames, width_px, default_png = {}, None, b""
+    for idx in itertools.product(*(range(len(v)) for v in values)):
+        fig = draw(**{n: v[i] for n, v, i in zip(names, values, idx)})
+        width_px = width_px or round(fig.get_figwidth() * 100)
+        if fmt == "svg":
+            frames[idx] = _svg_uri(fig)
+        else:
+            frames[idx] = "data:image/png;base64," + base64.b64encode(_png(fig, dpi, colors)).decode()
+        if idx == start:
+            default_png = _png(fig, dpi, colors)
+        plt.close(fig)
+    return Explorer(names, values, frames, start, default_png, alt, width_px)

@@ -1,0 +1,73 @@
+"""The book's own tools: the kernel-free explorer (chapters/_book.py) and the
+landing page's generated answer (docs/make_landing.py)."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+book = _load("_book", ROOT / "chapters" / "_book.py")
+
+
+def _draw(a, b):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.plot([0, 1], [0, a * b])
+    ax.set_ylim(0, 6)
+    return fig
+
+
+@pytest.mark.parametrize("fmt", ["svg", "png"])
+def test_explorer_frames_and_controls(fmt):
+    ex = book.explorer(_draw, {"a": [1, 2], "b": [1.0, 2.0, 3.0]}, alt="a={a}, b={b}",
+                       default={"b": 2.0}, fmt=fmt)
+    bundle = ex._repr_mimebundle_()
+    html = bundle["text/html"]
+    assert set(bundle) == {"text/html", "image/png", "text/plain"}
+    assert len(ex.frames) == 6
+    imgs = re.findall(r"<img [^>]*>", html)
+    assert len(imgs) == 6
+    visible = [i for i in imgs if " hidden" not in i]
+    assert len(visible) == 1 and 'data-rr-key="0,1"' in visible[0]  # a=1, b=2.0
+    assert 'alt="a=1, b=2.0"' in visible[0]
+    assert html.count('type="range"') == 2 and 'max="2"' in html
+    assert f"data:image/{'svg+xml,' if fmt == 'svg' else 'png;base64,'}" in html
+    assert "<script>" in html and not re.search(r'(src|href)="https?:', html)  # self-contained
+    assert bundle["image/png"]  # what the PDF prints
+
+
+def test_explorer_rejects_bad_grid():
+    with pytest.raises(ValueError, match="at least one value"):
+        book.explorer(_draw, {"a": [], "b": [1]}, alt="")
+    with pytest.raises(ValueError, match="not in grid"):
+        book.explorer(_draw, {"a": [1], "b": [1]}, alt="", default={"c": 1})
+    with pytest.raises(ValueError, match="fmt"):
+        book.explorer(_draw, {"a": [1], "b": [1]}, alt="", fmt="gif")
+
+
+def test_landing_answer_matches_the_result_file():
+    """The committed sentences are what docs/make_landing.py computes now."""
+    landing = _load("make_landing", ROOT / "docs" / "make_landing.py")
+    committed = (ROOT / "docs" / "landing" / "answer.md").read_text()
+    assert committed == landing.answer_text(landing.load()), (
+        "docs/landing/answer.md is stale: run `.venv/bin/python docs/make_landing.py`")
+    for name in ("rank_collapse.svg", "rank_collapse.pdf", "explorer.html"):
+        assert (ROOT / "docs" / "landing" / name).stat().st_size > 0
