@@ -18,7 +18,7 @@ needs are here (``rr.riemannian_attention``, ``rr.FiberBundleTransformer``,
 from . import analysis, attention, data, geometry, models, optim, plotting, training  # noqa: F401
 from .analysis import (attention_path_products, composite_norm, energy_effective_rank, fit_low_rank_kernel,
                        holonomy_defect, kernel_attention, metric_compatibility_defect, relative_residual, residual,
-                       stable_rank, teacher_kernel, torsion_defect)
+                       stable_rank, teacher_kernel, transport_closure_defect)
 from .attention import (AttentionConfig, RiemannianAttention, blockwise_attention, connection_attention,
                         riemannian_attention, riemannian_attention_reference)
 from .data import TaskData, associative_recall, char_lm, counting, modular_arithmetic, pair_lookup
@@ -43,7 +43,7 @@ __all__ = [
     "match_width",
     # analysis
     "relative_residual", "residual", "composite_norm", "stable_rank", "energy_effective_rank",
-    "attention_path_products", "holonomy_defect", "torsion_defect", "metric_compatibility_defect",
+    "attention_path_products", "holonomy_defect", "transport_closure_defect", "metric_compatibility_defect",
     "teacher_kernel", "kernel_attention", "fit_low_rank_kernel",
     # optimisation
     "Stiefel", "StiefelAdam", "LowRankAdam",

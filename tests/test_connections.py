@@ -8,6 +8,7 @@ from riemannian_ref.analysis import bundle
 from riemannian_ref.attention import connections as cx
 
 SIDES = ("key", "query", "mean")
+CONTENT = ("content", "content_source")
 DT = torch.float64
 
 
@@ -27,10 +28,16 @@ def _factors(side, U_q, U_k):
     return (U_q if side in ("query", "mean") else None, U_k if side in ("key", "mean") else None)
 
 
-def _dense_reference(q, k, v, U_q, U_k, lam, side, theta, pos, causal):
+def _edge_rates(theta, rule):
+    """omega_ij [..., i, j, d/2]: the source's rate, or the mean of both endpoints'."""
+    src = theta.unsqueeze(-3).expand(*theta.shape[:-2], theta.shape[-2], *theta.shape[-2:])
+    return src if rule == "source" else 0.5 * (src + theta.unsqueeze(-2))
+
+
+def _dense_reference(q, k, v, U_q, U_k, lam, side, theta, pos, causal, rule="mean"):
     """Per-pair dense transport matrices [n, n, d, d]: the definition, for small n only."""
     n, d = q.shape[-2], q.shape[-1]
-    phi = (pos[:, None] - pos[None, :])[..., None] * theta.unsqueeze(-3)  # (B, h, i, j, d/2)
+    phi = (pos[:, None] - pos[None, :])[..., None] * _edge_rates(theta, rule)  # (B, h, i, j, d/2)
     P = cx.block_rotation_matrix(phi)  # (B, h, i, j, d, d)
     eye = torch.eye(d, dtype=DT)
     lam4 = lam.view(-1, 1, 1)
@@ -64,15 +71,16 @@ def test_rotate_pairs_matches_dense_and_is_orthogonal(gen):
 
 
 # --------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("connection", CONTENT)
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_content_matches_dense_per_pair_reference(gen, side, causal):
+def test_content_matches_dense_per_pair_reference(gen, connection, side, causal):
     q, k, v, U_q, U_k, lam, theta = _inputs(gen)
     Uq, Uk = _factors(side, U_q, U_k)
     pos = torch.arange(q.shape[-2], dtype=DT) * 1.5 + 2.0
-    out, A = rr.connection_attention(q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side=side, connection="content",
+    out, A = rr.connection_attention(q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side=side, connection=connection,
                                      rates=theta, positions=pos, is_causal=causal, return_weights=True)
-    ref_out, ref_A = _dense_reference(q, k, v, Uq, Uk, lam, side, theta, pos, causal)
+    ref_out, ref_A = _dense_reference(q, k, v, Uq, Uk, lam, side, theta, pos, causal, cx.edge_rule(connection))
     torch.testing.assert_close(A, ref_A)
     torch.testing.assert_close(out, ref_out)
 
@@ -139,7 +147,7 @@ def test_dot_scores_flat_without_value_transport_is_rope(gen, causal):
 def test_causal_transport_leaks_no_future_token(gen, connection, side):
     q, k, v, U_q, U_k, lam, theta = _inputs(gen)
     Uq, Uk = _factors(side, U_q, U_k)
-    th = None if connection == "trivial" else (theta if connection == "content" else None)
+    th = theta if connection in CONTENT else None
     t = 4  # perturb keys, values, factors and rates of tokens t.. ; outputs < t must not move
     kw = dict(lam=lam, metric_side=side, connection=connection, rates=th, is_causal=True)
     out = rr.connection_attention(q, k, v, U_q=Uq, U_k=Uk, **kw)
@@ -150,7 +158,7 @@ def test_causal_transport_leaks_no_future_token(gen, connection, side):
     if Uk2 is not None:
         Uk2[..., t:, :, :] *= -4.0
     th2 = th
-    if connection == "content":
+    if connection in CONTENT:
         th2 = th.clone()
         th2[..., t:, :] += 1.0
     out2 = rr.connection_attention(q, k2, v2, U_q=Uq, U_k=Uk2, **{**kw, "rates": th2})
@@ -166,9 +174,33 @@ def test_content_gradients_flow_to_rates(gen):
     assert theta.grad is not None and theta.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("n", [2, 7])
+def test_content_connection_is_inverse_consistent_and_source_rule_is_not(gen, n):
+    rates = torch.rand(2, n, 3, generator=gen, dtype=DT)
+    pos = torch.randn(n, generator=gen, dtype=DT)
+    mean = cx.transport_angles(rates, pos, "mean")  # (2, i, j, d/2)
+    assert torch.equal(mean, -mean.transpose(-2, -3))  # P_{i->j} = P_{j->i}^{-1}, bit for bit
+    src = cx.transport_angles(rates, pos, "source")
+    loop = src + src.transpose(-2, -3)  # angle of P_{i->j} P_{j->i}
+    off = ~torch.eye(n, dtype=torch.bool)
+    assert (loop[:, off].abs() > 1e-9).all()
+    torch.testing.assert_close(loop, (pos[None, :] - pos[:, None])[..., None] * (rates.unsqueeze(-2) - rates.unsqueeze(-3)))
+
+
+def test_edge_rule_and_content_default():
+    assert cx.edge_rule("content") == "mean" and cx.edge_rule("content_source") == "source"
+    assert cx.edge_rule("flat") == cx.edge_rule("trivial") == "mean"
+    assert rr.FiberBundleConfig.tiny(mode="fiber_bundle").connection_resolved == "content"
+    with pytest.raises(ValueError, match="connection must be one of"):
+        cx.edge_rule("levi-civita")
+    with pytest.raises(ValueError, match="rule must be one of"):
+        cx.transport_angles(torch.zeros(3, 2), torch.arange(3.0), "left")
+
+
 # --------------------------------------------------------------------------- diagnostics
-def _dense_P(rates, pos, to, frm):
-    return cx.block_rotation_matrix((pos[to] - pos[frm]) * rates[..., frm, :])
+def _dense_P(rates, pos, to, frm, rule="source"):
+    w = rates[..., frm, :] if rule == "source" else 0.5 * (rates[..., frm, :] + rates[..., to, :])
+    return cx.block_rotation_matrix((pos[to] - pos[frm]) * w)
 
 
 def test_holonomy_exactly_zero_for_trivial_and_flat(gen):
@@ -181,61 +213,104 @@ def test_holonomy_exactly_zero_for_trivial_and_flat(gen):
         assert torch.equal(hol, torch.zeros_like(hol)), conn
 
 
-def test_holonomy_positive_for_content_and_matches_dense_loop(gen):
+@pytest.mark.parametrize("rule", ["mean", "source"])
+def test_holonomy_positive_for_content_and_matches_dense_loop(gen, rule):
     n, d = 9, 6
     rates = torch.rand(2, n, d // 2, generator=gen, dtype=DT)
     pos = torch.arange(n, dtype=DT)
     tri = bundle.sample_triangles(n, 20, generator=gen)
-    hol = rr.holonomy_defect(rates, tri, reduce=False)  # (2, T)
+    hol = rr.holonomy_defect(rates, tri, reduce=False, rule=rule)  # (2, T)
     assert (hol > 1e-3).all()
     for t, (i, j, k) in enumerate(tri.tolist()):
-        loop = _dense_P(rates, pos, i, k) @ _dense_P(rates, pos, k, j) @ _dense_P(rates, pos, j, i)
+        loop = _dense_P(rates, pos, i, k, rule) @ _dense_P(rates, pos, k, j, rule) @ _dense_P(rates, pos, j, i, rule)
         dense = (loop - torch.eye(d, dtype=DT)).flatten(-2).norm(dim=-1)
         torch.testing.assert_close(hol[:, t], dense)
 
 
-@given(st.integers(0, 2**31 - 1))
-def test_holonomy_closed_form_identity(seed):
+def test_two_edge_loops_have_no_holonomy_only_with_the_mean_rule(gen):
+    n, d = 8, 6
+    rates = torch.rand(n, d // 2, generator=gen, dtype=DT)
+    back = torch.tensor([[0, j, j] for j in range(1, n)])  # i -> j -> j -> i: there and back
+    assert torch.equal(rr.holonomy_defect(rates, back, reduce=False), torch.zeros(n - 1, dtype=DT))
+    assert (rr.holonomy_defect(rates, back, reduce=False, rule="source") > 1e-6).all()
+
+
+@given(st.integers(0, 2**31 - 1), st.sampled_from(["mean", "source"]))
+def test_holonomy_closed_form_identity(seed, rule):
     g = torch.Generator().manual_seed(seed)
     rates = 2 * torch.rand(5, 2, generator=g, dtype=DT) - 1
     pos = torch.randn(5, generator=g, dtype=DT)
     tri = bundle.sample_triangles(5, 4, generator=g)
-    hol = rr.holonomy_defect(rates, tri, positions=pos, reduce=False)
+    hol = rr.holonomy_defect(rates, tri, positions=pos, reduce=False, rule=rule)
     for t, (i, j, k) in enumerate(tri.tolist()):
-        loop = _dense_P(rates, pos, i, k) @ _dense_P(rates, pos, k, j) @ _dense_P(rates, pos, j, i)
+        loop = _dense_P(rates, pos, i, k, rule) @ _dense_P(rates, pos, k, j, rule) @ _dense_P(rates, pos, j, i, rule)
         torch.testing.assert_close(hol[t], (loop - torch.eye(4, dtype=DT)).norm())
+        if rule == "mean":  # per block, the loop angle is the signed area of the (rate, position) triangle
+            x, y = rates[[i, j, k]], pos[[i, j, k]]  # (3, 2), (3,)
+            area = 0.5 * (x[0] * (y[1] - y[2]) + x[1] * (y[2] - y[0]) + x[2] * (y[0] - y[1]))  # (2,)
+            torch.testing.assert_close(hol[t], torch.sqrt(8 * torch.sin(area / 2).pow(2).sum()))
 
 
-def test_torsion_zero_for_trivial_positive_for_content_and_matches_definition(gen):
+@pytest.mark.parametrize("rule", ["mean", "source"])
+def test_transport_closure_zero_for_trivial_positive_for_flat_and_matches_definition(gen, rule):
     n, d = 10, 8
     x = torch.randn(3, n, d, generator=gen, dtype=DT)
     tri = bundle.sample_triangles(n, 30, generator=gen)
-    zero = rr.torsion_defect(x, cx.connection_rates("trivial", n, d, like=x), tri, reduce=False)
+    zero = rr.transport_closure_defect(x, cx.connection_rates("trivial", n, d, like=x), tri, reduce=False)
     assert torch.equal(zero, torch.zeros_like(zero))
+    # the flat rotary connection has no curvature but is far from the identity: this is not a torsion
+    flat = rr.transport_closure_defect(x, cx.connection_rates("flat", n, d, like=x), tri, reduce=False)
+    assert (flat > 1e-3).all()
     rates = torch.rand(3, n, d // 2, generator=gen, dtype=DT)
-    tor = rr.torsion_defect(x, rates, tri, reduce=False)
-    assert (tor > 1e-6).all()
+    clo = rr.transport_closure_defect(x, rates, tri, reduce=False, rule=rule)
+    assert (clo > 1e-6).all()
     pos = torch.arange(n, dtype=DT)
     for t, (i, j, k) in enumerate(tri.tolist()):
-        P = _dense_P(rates, pos, i, j)
+        P = _dense_P(rates, pos, i, j, rule)
         e = (x[:, k] - x[:, i]) - (P @ (x[:, k] - x[:, j]).unsqueeze(-1)).squeeze(-1) - (x[:, j] - x[:, i])
-        torch.testing.assert_close(tor[:, t], e.norm(dim=-1))
+        torch.testing.assert_close(clo[:, t], e.norm(dim=-1))
 
 
+@pytest.mark.parametrize("rule", ["mean", "source"])
 @pytest.mark.parametrize("per_token_lam", [False, True])
-def test_metric_compatibility_matches_dense(gen, per_token_lam):
+def test_metric_compatibility_matches_dense(gen, per_token_lam, rule):
     n, d, r = 8, 6, 3
     U = torch.randn(2, n, d, r, generator=gen, dtype=DT)
     lam = 0.5 + torch.rand(2, n, generator=gen, dtype=DT) if per_token_lam else 0.7
     rates = torch.rand(2, n, d // 2, generator=gen, dtype=DT)
     pairs = bundle.sample_pairs(n, 15, generator=gen)
-    got = rr.metric_compatibility_defect(lam, U, rates, pairs, reduce=False)
+    got = rr.metric_compatibility_defect(lam, U, rates, pairs, reduce=False, rule=rule)
+    rel = rr.metric_compatibility_defect(lam, U, rates, pairs, reduce=False, rule=rule, relative=True)
     G = rr.LowRankMetric(lam if per_token_lam else lam, U).dense()  # (2, n, d, d)
     pos = torch.arange(n, dtype=DT)
     for t, (i, j) in enumerate(pairs.tolist()):
-        P = _dense_P(rates, pos, i, j)
+        P = _dense_P(rates, pos, i, j, rule)
         D = P.transpose(-1, -2) @ G[:, i] @ P - G[:, j]
         torch.testing.assert_close(got[:, t], D.flatten(-2).norm(dim=-1))
+        torch.testing.assert_close(rel[:, t], D.flatten(-2).norm(dim=-1) / (G[:, i] - G[:, j]).flatten(-2).norm(dim=-1))
+        # Hoffman-Wielandt: a rotation keeps the spectrum, so the defect is at least the spectral distance
+        gap = (torch.linalg.eigvalsh(G[:, i]) - torch.linalg.eigvalsh(G[:, j])).norm(dim=-1)
+        assert (got[:, t] >= gap * (1 - 1e-12)).all()
+    # relative to P = I the trivial connection scores exactly 1
+    triv = rr.metric_compatibility_defect(lam, U, torch.zeros_like(rates), pairs, relative=True)
+    torch.testing.assert_close(triv, torch.ones(2, dtype=DT))
+
+
+def test_compatible_transport_is_an_isometry_and_flat_with_identity_rotation(gen):
+    d, r = 6, 2
+    M = rr.LowRankMetric(0.3 + torch.rand(3, generator=gen, dtype=DT), torch.randn(3, d, r, generator=gen, dtype=DT))
+    G = M.dense()  # (3, d, d): three fibres
+    O = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=DT)).Q
+    P = cx.compatible_transport(G[0], G[1], O)
+    torch.testing.assert_close(P.transpose(-1, -2) @ G[0] @ P, G[1])
+    assert (P.transpose(-1, -2) @ P - torch.eye(d, dtype=DT)).norm() > 1e-2  # not a rotation
+    # with O = I the transports compose: the loop 0 -> 1 -> 2 -> 0 is the identity (a flat connection)
+    T = lambda a, b: cx.compatible_transport(G[a], G[b])  # noqa: E731  P_{b -> a}
+    torch.testing.assert_close(T(0, 2) @ T(2, 1) @ T(1, 0), torch.eye(d, dtype=DT))
+    with pytest.raises(ValueError, match="positive definite"):
+        cx.compatible_transport(-G[0], G[1])
+    with pytest.raises(ValueError, match="G_j must have shape"):
+        cx.compatible_transport(G[0], G[1, :4, :4])
 
 
 def test_flat_is_compatible_with_a_rotary_covariant_metric(gen):
@@ -271,3 +346,13 @@ def test_clear_errors(gen):
         rr.connection_attention(q, k, v, U_q=None, U_k=U_k, connection="flat", positions=torch.arange(3))
     with pytest.raises(ValueError, match="metric_side"):
         rr.connection_attention(q, k, v, U_q=None, U_k=U_k, metric_side="left")
+    rates = torch.rand(7, 3, generator=gen, dtype=DT)
+    with pytest.raises(ValueError, match=r"triangles must be a long tensor of shape \[T, 3\]"):
+        rr.holonomy_defect(rates, torch.zeros(4, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="triangles must index tokens 0..6"):
+        rr.holonomy_defect(rates, torch.tensor([[0, 1, 9]]))
+    with pytest.raises(ValueError, match="rule must be one of"):
+        rr.holonomy_defect(rates, torch.tensor([[0, 1, 2]]), rule="target")
+    with pytest.raises(ValueError, match="relative must be a bool"):
+        rr.metric_compatibility_defect(1.0, torch.zeros(7, 6, 1, dtype=DT), rates, torch.tensor([[0, 1]]),
+                                       relative="yes")

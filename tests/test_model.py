@@ -128,16 +128,20 @@ def test_diagnostics_values(gen):
         out = _model(mode="fiber_bundle", connection=conn)(idx, return_diagnostics=True)
         diags[conn] = out.diagnostics
         L, h = 2, 2
-        for key in ("holonomy", "torsion", "metric_compatibility", "lam"):
+        for key in ("holonomy", "transport_closure", "metric_compatibility", "metric_heterogeneity", "lam"):
             assert out.diagnostics[key].shape == (L, h), (conn, key)
     for conn in ("trivial", "flat"):
         hol = diags[conn]["holonomy"]
         assert torch.equal(hol, torch.zeros_like(hol)), conn
-    assert torch.equal(diags["trivial"]["torsion"], torch.zeros(2, 2, dtype=torch.float64))
-    assert (diags["content"]["holonomy"] > 0).all() and (diags["content"]["torsion"] > 0).all()
-    assert (diags["flat"]["torsion"] > 0).all()
-    # Heterogeneous metrics are not preserved by any of these rotations.
-    assert (diags["trivial"]["metric_compatibility"] > 0).all()
+    assert torch.equal(diags["trivial"]["transport_closure"], torch.zeros(2, 2, dtype=torch.float64))
+    assert (diags["content"]["holonomy"] > 0).all() and (diags["content"]["transport_closure"] > 0).all()
+    assert (diags["flat"]["transport_closure"] > 0).all()  # flat, yet far from the identity
+    # Relative to the heterogeneity |G_i - G_j|_F: exactly 1 without transport; heterogeneous
+    # metrics are not preserved by any of these rotations (relative defect bounded away from 0).
+    torch.testing.assert_close(diags["trivial"]["metric_compatibility"], torch.ones(2, 2, dtype=torch.float64))
+    for conn in CONNECTIONS:
+        assert (diags[conn]["metric_heterogeneity"] > 0).all(), conn
+        assert (diags[conn]["metric_compatibility"] > 0.5).all(), conn
     # euclidean mode has no fibre geometry to report
     eu = _model(mode="euclidean")(idx, return_diagnostics=True).diagnostics
     assert set(eu) == {"relative_residual"}

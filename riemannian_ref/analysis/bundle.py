@@ -1,17 +1,26 @@
 r"""Diagnostics of a connection on the head bundle: holonomy, transport closure, metric compatibility.
 
-The connections themselves (rotations by angles :math:`(p_i - p_j)\,\omega_j`
+The connections themselves (rotations by angles :math:`(p_i - p_j)\,\omega_{ij}`
 on consecutive coordinate pairs) are in :mod:`riemannian_ref.attention.connections`;
 here are the measurements a reader runs on them, each returning tensors:
 
 - :func:`holonomy_defect`: :math:`\|P_{k\to i} P_{j\to k} P_{i\to j} - I\|_F`
-  over triangles of tokens, a curvature proxy (exactly 0 for the trivial and
-  flat connections);
-- :func:`torsion_defect`: the closure defect of a transported triangle;
+  over triangles of tokens, the discrete curvature (exactly 0 for the trivial
+  and flat connections);
+- :func:`transport_closure_defect`: :math:`\|(I - P_{j\to i})(x_k - x_j)\|`,
+  how far transport is from the identity on the edge vectors of a triangle
+  (not a torsion: it is non-zero for the flat rotary connection);
 - :func:`metric_compatibility_defect`: how far transport is from an isometry
-  between the fibres' metrics, :math:`\|P^\top G_i P - G_j\|_F`;
+  between the fibres' metrics, :math:`\|P^\top G_i P - G_j\|_F`, optionally
+  relative to the heterogeneity :math:`\|G_i - G_j\|_F` (its value at
+  :math:`P = I`);
 - :func:`sample_triangles`, :func:`sample_pairs`: the random index sets they
   average over.
+
+Each takes the per-token rates and the edge ``rule`` of the connection
+(:func:`~riemannian_ref.attention.connections.edge_rule`): ``"mean"`` for the
+inverse-consistent content connection (and for trivial and flat, where the
+rules agree), ``"source"`` for ``"content_source"``.
 """
 from __future__ import annotations
 
@@ -19,20 +28,20 @@ import torch
 from torch import Tensor
 
 from .._checks import as_positive, broadcast_batch, check_tensor, shape_str
-from ..attention.connections import _positions, _rotate_factor, rotate_pairs
+from ..attention.connections import _check_rule, _positions, _rotate_factor, rotate_pairs
 
 __all__ = [
     "sample_triangles",
     "sample_pairs",
     "holonomy_defect",
-    "torsion_defect",
+    "transport_closure_defect",
     "metric_compatibility_defect",
 ]
 
 
 def sample_triangles(n: int, n_triangles: int, *, generator: torch.Generator | None = None,
                      device=None) -> Tensor:
-    """Random triangles of three distinct positions, for :func:`holonomy_defect` and :func:`torsion_defect`.
+    """Random triangles of three distinct positions, for :func:`holonomy_defect` and :func:`transport_closure_defect`.
 
     Each row is three distinct indices drawn uniformly without replacement
     from ``0..n-1`` (in random order); rows are independent, so a triangle
@@ -87,48 +96,88 @@ def _check_rates(rates: Tensor, positions: Tensor | None) -> tuple[Tensor, Tenso
     return rates, _positions(positions, n, rates)
 
 
-def holonomy_defect(rates: Tensor, triangles: Tensor, positions: Tensor | None = None,
-                    reduce: bool = True) -> Tensor:
-    r"""Curvature proxy: :math:`\|P_{k\to i} P_{j\to k} P_{i\to j} - I\|_F` over triangles.
+def _check_index(idx: Tensor, name: str, k: int, n: int) -> Tensor:
+    """Long indices [T, k] into 0..n-1 (what :func:`sample_triangles` and :func:`sample_pairs` return)."""
+    if not isinstance(idx, Tensor) or idx.dtype != torch.long or idx.dim() != 2 or idx.shape[-1] != k:
+        got = f"{idx.dtype} {shape_str(idx)}" if isinstance(idx, Tensor) else type(idx).__name__
+        raise ValueError(f"{name} must be a long tensor of shape [T, {k}], got {got}")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise ValueError(f"{name} must index tokens 0..{n - 1}, got values in [{int(idx.min())}, {int(idx.max())}]")
+    return idx
 
-    For block rotations the loop is a rotation by, per block,
+
+def _edge_angle(rates: Tensor, p: Tensor, i: Tensor, j: Tensor, rule: str) -> Tensor:
+    """Angles of P_{j->i} for index vectors i, j [T]: (p_i - p_j) omega_ij, shape [..., T, d/2]."""
+    w = rates[..., j, :] if rule == "source" else 0.5 * (rates[..., i, :] + rates[..., j, :])
+    return (p[..., i, None] - p[..., j, None]) * w
+
+
+def holonomy_defect(rates: Tensor, triangles: Tensor, positions: Tensor | None = None,
+                    reduce: bool = True, *, rule: str = "mean") -> Tensor:
+    r"""Discrete curvature: :math:`\|P_{k\to i} P_{j\to k} P_{i\to j} - I\|_F` over triangles.
+
+    All transports are block rotations (an abelian torus), so the loop is a
+    rotation by the sum of the three edge angles, per block :math:`m`. With
+    ``rule="mean"`` (:math:`\omega_{ab} = (\omega_a + \omega_b)/2`)
 
     .. math::
-        \phi_m &= (p_j - p_i)\omega_{i,m} + (p_k - p_j)\omega_{j,m} + (p_i - p_k)\omega_{k,m} \\
-               &= (p_j - p_i)(\omega_{i,m} - \omega_{k,m}) + (p_k - p_j)(\omega_{j,m} - \omega_{k,m}),
+        \phi_m = \tfrac12\big[(p_j - p_k)(\omega_{i,m} - \omega_{k,m})
+                             + (p_k - p_i)(\omega_{j,m} - \omega_{k,m})\big],
 
-    and :math:`\|R(\phi) - I\|_F^2 = \sum_m 8\sin^2(\phi_m/2)`. The second form
-    shows (and computes) that equal rates (trivial, flat) give exactly zero.
+    the signed area of the triangle :math:`(\omega_{\cdot,m}, p_\cdot)` in the
+    (rate, position) plane, so the connection is a lattice gauge field whose
+    curvature is that area (zero for equal rates, and for two-edge loops). With
+    ``rule="source"`` (:math:`\omega_{ab} = \omega_a`, the source's rate)
+
+    .. math::
+        \phi_m = (p_j - p_i)(\omega_{i,m} - \omega_{k,m}) + (p_k - p_j)(\omega_{j,m} - \omega_{k,m}).
+
+    In both, :math:`\|R(\phi) - I\|_F^2 = \sum_m 8\sin^2(\phi_m/2)`, and the
+    differences make equal rates (trivial, flat) give exactly zero.
 
     Parameters
     ----------
     rates : Tensor, shape [..., n, d/2]
-        Rates :math:`\omega_j` (:func:`connection_rates`).
+        Per-token rates :math:`\omega_j` (:func:`~riemannian_ref.attention.connections.connection_rates`).
     triangles : Tensor, shape [T, 3]
-        Long indices (i, j, k) (:func:`sample_triangles`).
+        Long indices (i, j, k) (:func:`sample_triangles`); a repeated index
+        gives a two-edge loop.
     positions : Tensor, shape [n] or [..., n], optional
     reduce : bool
         Average over triangles (shape [...]) or return all (shape [..., T]).
+    rule : {"mean", "source"}
+        How an edge reads its rate (:func:`~riemannian_ref.attention.connections.edge_rule`).
     """
     rates, p = _check_rates(rates, positions)
+    _check_rule(rule)
+    triangles = _check_index(triangles, "triangles", 3, rates.shape[-2])
     i, j, k = triangles[:, 0], triangles[:, 1], triangles[:, 2]
     p = p.expand(*rates.shape[:-1])
     wi, wj, wk = rates[..., i, :], rates[..., j, :], rates[..., k, :]  # (..., T, d/2)
     pi, pj, pk = p[..., i, None], p[..., j, None], p[..., k, None]  # (..., T, 1)
-    phi = (pj - pi) * (wi - wk) + (pk - pj) * (wj - wk)  # (..., T, d/2)
+    if rule == "source":
+        phi = (pj - pi) * (wi - wk) + (pk - pj) * (wj - wk)  # (..., T, d/2)
+    else:
+        phi = 0.5 * ((pj - pk) * (wi - wk) + (pk - pi) * (wj - wk))  # signed area   (..., T, d/2)
     defect = torch.sqrt(8.0 * torch.sin(0.5 * phi).pow(2).sum(-1))  # (..., T)
     return defect.mean(-1) if reduce else defect
 
 
-def torsion_defect(x: Tensor, rates: Tensor, triangles: Tensor, positions: Tensor | None = None,
-                   reduce: bool = True) -> Tensor:
-    r"""Torsion proxy: the closure defect of a transported triangle.
+def transport_closure_defect(x: Tensor, rates: Tensor, triangles: Tensor, positions: Tensor | None = None,
+                             reduce: bool = True, *, rule: str = "mean") -> Tensor:
+    r"""Transport-closure defect of a triangle: how far transport is from the identity.
 
     .. math::
         \big\|(x_k - x_i) - P_{j\to i}(x_k - x_j) - (x_j - x_i)\big\|
         = \big\|(I - P_{j\to i})(x_k - x_j)\big\|,
 
-    computed in the second form, which is exactly zero for ``P = I``.
+    computed in the second form, which is exactly zero for ``P = I``. It is
+    *not* a torsion: torsion :math:`T(X, Y) = \nabla_X Y - \nabla_Y X - [X, Y]`
+    needs a connection on the tangent bundle of the base (a solder form),
+    and this bundle's base is a discrete set of positions with abstract
+    head-space fibres. The flat rotary connection, which has no curvature,
+    scores well above zero here, because its transports are rotations by
+    :math:`(p_i - p_j)\theta`.
 
     Parameters
     ----------
@@ -139,26 +188,40 @@ def torsion_defect(x: Tensor, rates: Tensor, triangles: Tensor, positions: Tenso
     positions : Tensor, shape [n] or [..., n], optional
     reduce : bool
         Average over triangles (shape [...]) or not (shape [..., T]).
+    rule : {"mean", "source"}
+        How an edge reads its rate.
     """
     x = check_tensor(x, "x", min_dim=2)
     rates, p = _check_rates(rates, positions)
+    _check_rule(rule)
     if x.shape[-1] != 2 * rates.shape[-1] or x.shape[-2] != rates.shape[-2]:
         raise ValueError(f"x must have shape [..., n, d] = [..., {rates.shape[-2]}, {2 * rates.shape[-1]}] "
                          f"to match rates {shape_str(rates)}, got {shape_str(x)}")
+    triangles = _check_index(triangles, "triangles", 3, rates.shape[-2])
     i, j, k = triangles[:, 0], triangles[:, 1], triangles[:, 2]
     p = p.expand(*rates.shape[:-1])
     e = x[..., k, :] - x[..., j, :]  # (..., T, d)
-    ang = (p[..., i, None] - p[..., j, None]) * rates[..., j, :]  # angle of P_{j->i}    (..., T, d/2)
+    ang = _edge_angle(rates, p, i, j, rule)  # angle of P_{j->i}                    (..., T, d/2)
     defect = (e - rotate_pairs(e, ang)).norm(dim=-1)  # (..., T)
     return defect.mean(-1) if reduce else defect
 
 
 def metric_compatibility_defect(lam, U: Tensor, rates: Tensor, pairs: Tensor,
-                                positions: Tensor | None = None, reduce: bool = True) -> Tensor:
+                                positions: Tensor | None = None, reduce: bool = True, *,
+                                rule: str = "mean", relative: bool = False) -> Tensor:
     r"""Metric-compatibility defect :math:`\|P_{j\to i}^\top G_i P_{j\to i} - G_j\|_F` over pairs.
 
     A connection is metric-compatible when transport is an isometry between
-    the fibres' metrics. With :math:`G = \lambda I + U U^\top`,
+    the fibres' metrics, :math:`P^\top G_i P = G_j`. At :math:`P = I` the
+    defect is the heterogeneity :math:`\|G_i - G_j\|_F` of the two metrics,
+    so its absolute size mostly measures how different the metrics are;
+    ``relative=True`` divides by that heterogeneity (1: no better than no
+    transport; 0: compatible). A rotation preserves the spectrum, so when
+    :math:`G_i` and :math:`G_j` have different eigenvalues no rotation is
+    compatible, and the relative defect of every connection of the package
+    is then bounded away from 0; the compatible maps are
+    :math:`G_i^{-1/2} O\, G_j^{1/2}` (:func:`~riemannian_ref.attention.connections.compatible_transport`).
+    With :math:`G = \lambda I + U U^\top`,
     :math:`A = P^\top U_i`, :math:`B = U_j`, :math:`c = \lambda_i - \lambda_j`:
 
     .. math::
@@ -182,9 +245,18 @@ def metric_compatibility_defect(lam, U: Tensor, rates: Tensor, pairs: Tensor,
     positions : Tensor, shape [n] or [..., n], optional
     reduce : bool
         Average over pairs (shape [...]) or not (shape [..., T]).
+    rule : {"mean", "source"}
+        How an edge reads its rate.
+    relative : bool
+        Divide by the heterogeneity :math:`\|G_i - G_j\|_F`: per pair when
+        ``reduce=False`` (0/0 counts as 0), the ratio of the two averages when
+        ``reduce=True``.
     """
     U = check_tensor(U, "U", min_dim=3)
     rates, p = _check_rates(rates, positions)
+    _check_rule(rule)
+    if not isinstance(relative, bool):
+        raise ValueError(f"relative must be a bool, got {relative!r}")
     n, d = U.shape[-3], U.shape[-2]
     if rates.shape[-2] != n or 2 * rates.shape[-1] != d:
         raise ValueError(f"rates must have shape [..., n, d/2] = [..., {n}, {d // 2}] to match U {shape_str(U)}, "
@@ -192,12 +264,26 @@ def metric_compatibility_defect(lam, U: Tensor, rates: Tensor, pairs: Tensor,
     lam_t = as_positive(lam, "lam", U)
     broadcast_batch({"lam": lam_t.shape, "U.shape[:-2]": U.shape[:-2]})
     lam_tok = lam_t.expand(torch.broadcast_shapes(lam_t.shape, U.shape[:-2]))  # per token   (..., n)
+    pairs = _check_index(pairs, "pairs", 2, n)
     i, j = pairs[:, 0], pairs[:, 1]
     p = p.expand(*rates.shape[:-1])
-    ang = (p[..., i, None] - p[..., j, None]) * rates[..., j, :]  # angle of P_{j->i}   (..., T, d/2)
-    A = _rotate_factor(U[..., i, :, :], -ang)  # P^T U_i                     (..., T, d, r)
-    Bm = U[..., j, :, :]  # (..., T, d, r)
-    c = lam_tok[..., i] - lam_tok[..., j]  # (..., T)
+    ang = _edge_angle(rates, p, i, j, rule)  # angle of P_{j->i}                 (..., T, d/2)
+    defect = _compatibility(U[..., i, :, :], U[..., j, :, :], lam_tok[..., i] - lam_tok[..., j], ang)
+    if not relative:
+        return defect.mean(-1) if reduce else defect
+    hetero = _compatibility(U[..., i, :, :], U[..., j, :, :], lam_tok[..., i] - lam_tok[..., j],
+                            torch.zeros_like(ang))  # |G_i - G_j|_F                    (..., T)
+    if reduce:
+        return defect.mean(-1) / hetero.mean(-1)
+    return torch.where(hetero > 0, defect / hetero.clamp_min(torch.finfo(hetero.dtype).tiny),
+                       torch.where(defect > 0, torch.inf, 0.0))
+
+
+def _compatibility(U_i: Tensor, U_j: Tensor, c: Tensor, ang: Tensor) -> Tensor:
+    """|P^T G_i P - G_j|_F for G = lam I + U U^T, with P the block rotation of angles ``ang``, per pair."""
+    d = U_i.shape[-2]
+    A = _rotate_factor(U_i, -ang)  # P^T U_i                                     (..., T, d, r)
+    Bm = U_j  # (..., T, d, r)
     # A A^T - B B^T = M J M^T with M = [A, B], J = diag(I, -I); with M = Q R its
     # Frobenius norm is that of the 2r x 2r matrix R J R^T: no cancellation.
     M = torch.cat([A, Bm], dim=-1)  # (..., T, d, 2r)
@@ -205,5 +291,4 @@ def metric_compatibility_defect(lam, U: Tensor, rates: Tensor, pairs: Tensor,
     sign = torch.cat([torch.ones(A.shape[-1]), -torch.ones(Bm.shape[-1])]).to(M)
     low = ((R * sign) @ R.transpose(-1, -2)).pow(2).sum((-1, -2))  # |A A^T - B B^T|_F^2   (..., T)
     sq = d * c * c + 2 * c * (A.pow(2).sum((-1, -2)) - Bm.pow(2).sum((-1, -2))) + low
-    defect = sq.clamp_min(0).sqrt()  # (..., T)
-    return defect.mean(-1) if reduce else defect
+    return sq.clamp_min(0).sqrt()  # (..., T)

@@ -4,40 +4,51 @@ The fibre over token position :math:`i` is the head space :math:`\mathbb{R}^d`
 with its metric :math:`G_i`. A *connection* says how a vector of fibre
 :math:`j` is carried to fibre :math:`i`, :math:`v \mapsto P_{j\to i} v`, before
 it is compared with (keys) or added to (values) the vectors of fibre :math:`i`.
-All three connections here are block-diagonal rotations acting on the
-consecutive pairs :math:`(x_{2m}, x_{2m+1})`, :math:`m = 0, \dots, d/2 - 1`:
+Every connection here is a block-diagonal rotation acting on the consecutive
+pairs :math:`(x_{2m}, x_{2m+1})`, :math:`m = 0, \dots, d/2 - 1`:
 
 .. math::
-    P_{j\to i} = \exp\big((p_i - p_j)\,\Theta_j\big), \qquad
-    \Theta_j = \mathrm{blockdiag}_m \begin{pmatrix} 0 & -\omega_{j,m} \\ \omega_{j,m} & 0\end{pmatrix},
+    P_{j\to i} = \exp\big((p_i - p_j)\,\Theta_{ij}\big), \qquad
+    \Theta_{ij} = \mathrm{blockdiag}_m \begin{pmatrix} 0 & -\omega_{ij,m} \\ \omega_{ij,m} & 0\end{pmatrix},
 
-i.e. block :math:`m` is turned by the angle :math:`(p_i - p_j)\,\omega_{j,m}`,
-with positions :math:`p` and angular *rates* :math:`\omega_j \in \mathbb{R}^{d/2}`:
+i.e. block :math:`m` is turned by the angle :math:`(p_i - p_j)\,\omega_{ij,m}`,
+with positions :math:`p` and the angular *rate* :math:`\omega_{ij}` of the
+edge, read from per-token rates :math:`\omega_j \in \mathbb{R}^{d/2}`:
 
 - ``"trivial"``: :math:`\omega = 0`, :math:`P = I`;
-- ``"flat"``: :math:`\omega_{j,m} = \theta_m` (the rotary frequencies), so
+- ``"flat"``: :math:`\omega_{ij,m} = \theta_m` (the rotary frequencies), so
   :math:`P_{j\to i} = R_i R_j^\top` with :math:`R_i` the rotary rotation of
-  position :math:`i`: rotary position embedding is this gauge connection, and
-  it has zero curvature;
-- ``"content"``: :math:`\omega_j = \Theta(x_j)` depends on the source token's
-  content: curved in general.
+  position :math:`i`: zero curvature;
+- ``"content"`` (the default content connection): the edge reads the rates of
+  *both* endpoints, :math:`\omega_{ij} = (\omega_i + \omega_j)/2`, so that
+  :math:`P_{i\to j} = P_{j\to i}^{-1}` (inverse-consistent) and two-edge loops
+  have no holonomy; curved in general;
+- ``"content_source"``: the edge reads the rate of its source only,
+  :math:`\omega_{ij} = \omega_j`; then :math:`P_{i\to j} P_{j\to i}` turns by
+  :math:`(p_j - p_i)(\omega_i - \omega_j)`: not inverse-consistent, and its
+  holonomy mixes curvature with that failure (kept to reproduce the first
+  reading of the book).
 
-Because every :math:`P` is a rotation, :math:`P^\top = P^{-1}`. For the
-content connection, however, the reverse edge is not the inverse:
-:math:`P_{i\to j} P_{j\to i}` turns by :math:`(p_j - p_i)(\omega_i - \omega_j)`,
-since each edge reads its rate at its source; two-edge loops already have
-holonomy. Transporting
-the key's metric along with the key, :math:`G_j \mapsto P G_j P^\top`, gives the
-distance
+Every transport lies in the maximal torus :math:`SO(2)^{d/2}` of block
+rotations, an abelian group: transports commute, a loop's holonomy is a sum
+of phases per block, and the holonomy group of every connection here is a
+subgroup of that torus. Because every :math:`P` is a rotation,
+:math:`P^\top = P^{-1}`. Transporting the key's metric along with the key,
+:math:`G_j \mapsto P G_j P^\top`, gives the distance
 
 .. math::
     (q_i - P k_j)^\top P G_j P^\top (q_i - P k_j) = (P^\top q_i - k_j)^\top G_j (P^\top q_i - k_j).
 
+A rotation is an isometry of the Euclidean part only: with heterogeneous
+metrics no rotation maps :math:`G_j` to :math:`G_i`. The metric-compatible
+transports are :math:`P = G_i^{-1/2} O\, G_j^{1/2}` with :math:`O` orthogonal
+(:func:`compatible_transport`, a dense reference).
+
 For the flat connection every fibre object can be moved to one common frame
 (rotate each by :math:`R^\top` of its own position), which is why rotary
-attention costs :math:`O(n d)` extra; for the content connection the angle
-:math:`(p_i - p_j)\omega_j` couples the pair, and the transport costs
-:math:`O(n^2 d)` elementwise, the same order as the scores.
+attention costs :math:`O(n d)` extra; for the content connections the angle
+couples the pair, and the transport costs :math:`O(n^2 d)` elementwise, the
+same order as the scores.
 
 The diagnostics of a connection (holonomy, transport closure, metric
 compatibility) live beside the other measurements, in
@@ -62,11 +73,39 @@ __all__ = [
     "block_rotation_matrix",
     "transport_angles",
     "connection_rates",
+    "edge_rule",
+    "compatible_transport",
     "connection_attention",
 ]
 
-#: The accepted values of ``connection``: no transport, rotary (flat), content-dependent rates.
-CONNECTIONS = ("trivial", "flat", "content")
+#: The accepted values of ``connection``: no transport, rotary (flat), content-dependent rates
+#: read from both endpoints of an edge (inverse-consistent), or from its source only.
+CONNECTIONS = ("trivial", "flat", "content", "content_source")
+
+#: How an edge reads its rate from the per-token rates: ``"mean"`` of both endpoints, or the ``"source"``'s.
+EDGE_RULES = ("mean", "source")
+
+
+def edge_rule(connection: str) -> str:
+    """The edge rule of a connection: ``"source"`` for ``"content_source"``, ``"mean"`` otherwise.
+
+    For the trivial and flat connections every token has the same rates and
+    the two rules give the same transports.
+
+    Parameters
+    ----------
+    connection : str
+        One of ``CONNECTIONS``.
+    """
+    if connection not in CONNECTIONS:
+        raise ValueError(f"connection must be one of {CONNECTIONS}, got {connection!r}")
+    return "source" if connection == "content_source" else "mean"
+
+
+def _check_rule(rule: str) -> str:
+    if rule not in EDGE_RULES:
+        raise ValueError(f"rule must be one of {EDGE_RULES}, got {rule!r}")
+    return rule
 
 
 # --------------------------------------------------------------------------- rotations
@@ -155,14 +194,18 @@ def _positions(positions: Tensor | None, n: int, like: Tensor) -> Tensor:
     return positions.to(like.dtype)
 
 
-def transport_angles(rates: Tensor, positions: Tensor) -> Tensor:
-    r"""Angles of :math:`P_{j\to i}`: :math:`\phi_{ij,m} = (p_i - p_j)\,\omega_{j,m}`.
+def transport_angles(rates: Tensor, positions: Tensor, rule: str = "mean") -> Tensor:
+    r"""Angles of :math:`P_{j\to i}`: :math:`\phi_{ij,m} = (p_i - p_j)\,\omega_{ij,m}`.
 
     Parameters
     ----------
     rates : Tensor, shape [..., n, d/2]
-        Rates :math:`\omega_j` of the *source* tokens.
+        Per-token rates :math:`\omega_j`.
     positions : Tensor, shape [n] or [..., n]
+    rule : {"mean", "source"}
+        The edge's rate: :math:`\omega_{ij} = (\omega_i + \omega_j)/2`
+        (inverse-consistent: :math:`\phi_{ji} = -\phi_{ij}`), or the source's
+        :math:`\omega_j`.
 
     Returns
     -------
@@ -170,7 +213,10 @@ def transport_angles(rates: Tensor, positions: Tensor) -> Tensor:
         Index ``[..., i, j, m]``; memory :math:`O(n^2 d)` per batch entry.
     """
     dp = positions.unsqueeze(-1) - positions.unsqueeze(-2)  # p_i - p_j              (..., n, n)
-    return dp.unsqueeze(-1) * rates.unsqueeze(-3)  # (..., n_i, n_j, d/2)
+    if _check_rule(rule) == "source":
+        return dp.unsqueeze(-1) * rates.unsqueeze(-3)  # (..., n_i, n_j, d/2)
+    edge = 0.5 * (rates.unsqueeze(-2) + rates.unsqueeze(-3))  # (omega_i + omega_j) / 2  (..., n_i, n_j, d/2)
+    return dp.unsqueeze(-1) * edge
 
 
 def connection_rates(connection: str, n: int, d: int, *, rates: Tensor | None = None,
@@ -178,14 +224,14 @@ def connection_rates(connection: str, n: int, d: int, *, rates: Tensor | None = 
     r"""Per-token rates :math:`\omega_j` of a connection, shape [n, d/2] or [..., n, d/2].
 
     ``"trivial"`` gives zeros; ``"flat"`` the rotary frequencies (``rates``,
-    shape [d/2], default base 10000) repeated for every token; ``"content"``
-    returns ``rates`` itself, which must then be given per token,
-    shape [..., n, d/2]. Used by the diagnostics, which need rates for all
-    three connections.
+    shape [d/2], default base 10000) repeated for every token; the content
+    connections return ``rates`` itself, which must then be given per token,
+    shape [..., n, d/2]. Used by the diagnostics, which need rates for every
+    connection (with :func:`edge_rule` for how an edge reads them).
 
     Parameters
     ----------
-    connection : {"trivial", "flat", "content"}
+    connection : {"trivial", "flat", "content", "content_source"}
         Which connection (one of ``CONNECTIONS``).
     n : int
         Number of tokens.
@@ -194,8 +240,8 @@ def connection_rates(connection: str, n: int, d: int, *, rates: Tensor | None = 
     rates : Tensor, optional
         ``"flat"``: rotary rates, shape [d/2] (default
         :func:`rotary_frequencies` with base 10000). ``"content"``: the
-        per-token rates, shape [..., n, d/2] (required). Ignored by
-        ``"trivial"``.
+        per-token rates, shape [..., n, d/2] (required; also for
+        ``"content_source"``). Ignored by ``"trivial"``.
     like : Tensor
         Supplies the dtype and device of the zeros (``"trivial"``) and of the
         default rotary rates (``"flat"``).
@@ -205,7 +251,7 @@ def connection_rates(connection: str, n: int, d: int, *, rates: Tensor | None = 
     Tensor, shape [n, d/2] or [..., n, d/2]
         Shape [n, d/2] for ``"trivial"`` and ``"flat"`` (the latter an
         expanded view of ``rates``, no copy); ``rates`` itself, unchanged,
-        for ``"content"``.
+        for the content connections.
     """
     if connection not in CONNECTIONS:
         raise ValueError(f"connection must be one of {CONNECTIONS}, got {connection!r}")
@@ -220,11 +266,57 @@ def connection_rates(connection: str, n: int, d: int, *, rates: Tensor | None = 
             raise ValueError(f"rates for the flat connection must have shape [d/2] = [{d // 2}], got {shape_str(rates)}")
         return rates.expand(n, d // 2)
     if rates is None:
-        raise ValueError("connection='content' needs rates: the per-token rates, shape [..., n, d/2]")
+        raise ValueError(f"connection={connection!r} needs rates: the per-token rates, shape [..., n, d/2]")
     if rates.dim() < 2 or rates.shape[-2:] != (n, d // 2):
         raise ValueError(f"rates for the content connection must have shape [..., n, d/2] = [..., {n}, {d // 2}], "
                          f"got {shape_str(rates)}")
     return rates
+
+
+def compatible_transport(G_i: Tensor, G_j: Tensor, rotation: Tensor | None = None) -> Tensor:
+    r"""A metric-compatible transport :math:`P = G_i^{-1/2}\, O\, G_j^{1/2}` (dense reference).
+
+    :math:`P^\top G_i P = G_j^{1/2} O^\top O\, G_j^{1/2} = G_j`: vectors of
+    fibre :math:`j` keep their :math:`G_j`-lengths in fibre :math:`i`. Every
+    compatible linear map has this form (for invertible :math:`P`,
+    :math:`O = G_i^{1/2} P G_j^{-1/2}` is orthogonal exactly when
+    :math:`P^\top G_i P = G_j`). With :math:`G_i \ne G_j` it is not a
+    rotation, so none of the package's connections is compatible; this
+    function builds the compatible ones for checks (symmetric square roots
+    by ``eigh``, :math:`O(d^3)`).
+
+    Parameters
+    ----------
+    G_i, G_j : Tensor, shape [..., d, d]
+        SPD metrics of the target and source fibres (e.g. ``LowRankMetric.dense()``).
+    rotation : Tensor, shape [..., d, d], optional
+        The orthogonal :math:`O` (default the identity).
+
+    Returns
+    -------
+    Tensor, shape broadcast([..., d, d])
+    """
+    G_i = check_tensor(G_i, "G_i", min_dim=2)
+    G_j = check_tensor(G_j, "G_j", min_dim=2)
+    d = G_i.shape[-1]
+    for name, G in (("G_i", G_i), ("G_j", G_j)):
+        if G.shape[-2:] != (d, d):
+            raise ValueError(f"{name} must have shape [..., d, d] with d = {d}, got {shape_str(G)}")
+    check_same(G_i, "G_i", [("G_j", G_j), ("rotation", rotation)])
+
+    def power(G: Tensor, p: float) -> Tensor:
+        mu, V = torch.linalg.eigh(0.5 * (G + G.transpose(-1, -2)))  # (..., d), (..., d, d)
+        if not bool((mu > 0).all()):
+            raise ValueError("G_i and G_j must be positive definite")
+        return (V * mu.pow(p).unsqueeze(-2)) @ V.transpose(-1, -2)
+
+    A, Bm = power(G_i, -0.5), power(G_j, 0.5)
+    if rotation is None:
+        return A @ Bm
+    rotation = check_tensor(rotation, "rotation", min_dim=2)
+    if rotation.shape[-2:] != (d, d):
+        raise ValueError(f"rotation must have shape [..., d, d] with d = {d}, got {shape_str(rotation)}")
+    return A @ rotation @ Bm
 
 
 # --------------------------------------------------------------------------- attention
@@ -257,7 +349,8 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     with :math:`\bar G_{ij}` = :math:`P G_j P^\top` (``"key"``), :math:`G_i`
     (``"query"``) or their mean (``"mean"``), :math:`A = \mathrm{softmax}(S + M)`;
     with ``scores="dot"`` the score is :math:`\text{scale}\; q_i^\top P_{j\to i} k_j`
-    instead (the flat connection is then rotary position embedding).
+    instead (with the flat connection these are rotary position embedding's
+    scores; RoPE itself also leaves the values alone, ``transport_values=False``).
 
     Parameters
     ----------
@@ -270,19 +363,23 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         (``U_q``, ``U_k`` must be None with ``scores="dot"``).
     scores : {"metric", "dot"}
         Riemannian distance scores, or scaled dot products.
-    connection : {"trivial", "flat", "content"}
+    connection : {"trivial", "flat", "content", "content_source"}
         :math:`P = I`; rotary rotations :math:`R_i R_j^\top`; rotations by
-        :math:`(p_i - p_j)\,\omega_j` with per-token rates.
+        :math:`(p_i - p_j)(\omega_i + \omega_j)/2` (inverse-consistent), or
+        by :math:`(p_i - p_j)\,\omega_j` (source rates only).
     rates : Tensor, optional
         ``"flat"``: the rotary rates, shape [d/2] (default
-        :func:`rotary_frequencies`). ``"content"``: the per-token rates
+        :func:`rotary_frequencies`). Content connections: the per-token rates
         :math:`\omega_j`, shape [..., n, d/2], broadcasting against the batch
         (required). ``"trivial"``: must be None.
     positions : Tensor, shape [n] or [..., n], optional
         Token positions :math:`p_i` (default ``0..n-1``).
     transport_values : bool
         Mix :math:`P_{j\to i} v_j` (the values are transported too) or plain
-        :math:`v_j` (with ``scores="dot"`` and ``"flat"`` this is exactly RoPE).
+        :math:`v_j`. Rotary position embedding (RoPE) is exactly
+        ``scores="dot"``, ``"flat"`` and ``transport_values=False``; with the
+        default ``True`` the flat connection has RoPE's scores but also
+        rotates the values, :math:`o_i = R_i \sum_j A_{ij} R_j^\top v_j`.
     return_weights : bool
         Also return the attention weights [..., n, n] (computed densely).
 
@@ -297,7 +394,7 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     one frame: :math:`q_i \mapsto R_i^\top q_i`, :math:`k_j \mapsto R_j^\top k_j`,
     :math:`U \mapsto R^\top U` (so :math:`G_j \mapsto R_j^\top G_j R_j`),
     :math:`v_j \mapsto R_j^\top v_j`, calls the same operator, and rotates the
-    output back by :math:`R_i`: :math:`O(n d r)` extra. ``"content"`` forms the
+    output back by :math:`R_i`: :math:`O(n d r)` extra. The content connections form the
     transported keys and values per pair: time :math:`O(n^2 d (1 + r))`,
     memory a few ``[..., n, n, d]`` tensors (batch 8, 4 heads, n = 256,
     d = 16 in float32 is 128 MiB each), never a ``[n, n, d, d]`` tensor.
@@ -349,7 +446,8 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
             out = rotate_pairs(out, ang)  # back to fibre i: R_i o_i
         return (out, A) if return_weights else out
     return _content_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
-                              metric_side, scores, rates, p, transport_values, return_weights)
+                              metric_side, scores, rates, p, transport_values, return_weights,
+                              edge_rule(connection))
 
 
 def _attend(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side, scores, return_weights):
@@ -375,17 +473,17 @@ def _attend(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metr
 
 
 def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side, scores,
-                       rates, p, transport_values, return_weights):
-    """The content connection: every pair (i, j) transported by its own rotation, densely."""
+                       rates, p, transport_values, return_weights, rule):
+    """The content connections: every pair (i, j) transported by its own rotation, densely."""
     n, d = q.shape[-2], q.shape[-1]
     if rates is None:
-        raise ValueError("connection='content' needs rates: the per-token rates omega_j, shape [..., n, d/2]")
+        raise ValueError("a content connection needs rates: the per-token rates omega_j, shape [..., n, d/2]")
     if rates.dim() < 2 or rates.shape[-2:] != (n, d // 2):
         raise ValueError(f"rates for the content connection must have shape [..., n, d/2] = [..., {n}, {d // 2}], "
                          f"got {shape_str(rates)}")
     broadcast_batch({"rates.shape[:-2]": rates.shape[:-2], "query.shape[:-2]": q.shape[:-2]})
     scale_f = (1.0 / math.sqrt(d)) if scale is None else float(scale)
-    phi = transport_angles(rates, p)  # angle of P_{j->i}                    (..., n_i, n_j, d/2)
+    phi = transport_angles(rates, p, rule)  # angle of P_{j->i}              (..., n_i, n_j, d/2)
     cos, sin = torch.cos(phi), torch.sin(phi)  # shared by keys, values and the key metric
     kt = _rotate_cs(k.unsqueeze(-3), cos, sin)  # P_{j->i} k_j             (..., n_i, n_j, d)
     if scores == "dot":

@@ -35,6 +35,8 @@ from ..geometry.metric import LAM_MIN, MetricNet, raw_from_lam
 from ..geometry.scores import METRIC_SIDES, riemannian_scores
 from .connections import CONNECTIONS, connection_attention, rotary_frequencies
 
+CONTENT_CONNECTIONS = ("content", "content_source")  # connections with learned per-token rates
+
 __all__ = ["AttentionConfig", "RiemannianAttention"]
 
 SCORES = ("metric", "dot")
@@ -100,16 +102,21 @@ class AttentionConfig:
         Initial :math:`\lambda` and its floor.
     learn_temperature : bool, default False
         A learned per-head factor on :math:`1/\tau` (1 at init), folded into the metric.
-    connection : {"trivial", "flat", "content"}, default "trivial"
-        Transport of keys and values (self-attention only).
+    connection : {"trivial", "flat", "content", "content_source"}, default "trivial"
+        Transport of keys and values (self-attention only): none, rotary
+        (flat), rates read from the content of both endpoints of an edge
+        (inverse-consistent, curved), or of its source only
+        (:mod:`~riemannian_ref.attention.connections`).
     rotary_base : float, default 10000.0
         Base of the rotary rates :math:`\theta_m = \text{base}^{-2m/d}`.
     content_rate_std : float, default 0.5
-        ``"content"``: rates :math:`\omega_j = 2\theta\,\mathrm{sigmoid}(W x_j)`
+        Content connections: per-token rates :math:`\omega_j = 2\theta\,\mathrm{sigmoid}(W x_j)`
         with :math:`W` of init std ``content_rate_std / sqrt(D)`` (0: starts flat).
     transport_values : bool, default True
-        Transport the values along the connection too (False with ``"flat"``
-        and ``scores="dot"`` is rotary position embedding exactly).
+        Transport the values along the connection too. Rotary position
+        embedding is exactly ``scores="dot"``, ``connection="flat"`` and
+        ``transport_values=False``; with ``True`` the flat connection also
+        rotates the values.
     causal : bool, default False
         Default of ``is_causal`` in :meth:`RiemannianAttention.forward`.
     bias : bool, default False
@@ -142,7 +149,7 @@ class AttentionConfig:
     lam_init: float = 1.0            # initial lambda
     lam_min: float = LAM_MIN         # floor of lambda
     learn_temperature: bool = False  # learned per-head factor on 1/tau
-    connection: str = "trivial"      # "trivial" | "flat" | "content"
+    connection: str = "trivial"      # "trivial" | "flat" | "content" | "content_source"
     rotary_base: float = 10000.0     # rotary rates theta_m = base^(-2m/d)
     content_rate_std: float = 0.5    # init std of the content modulation of the rates (0: starts flat)
     transport_values: bool = True    # values transported along the connection too
@@ -253,9 +260,9 @@ class RiemannianAttention(nn.Module):
                 self.metric_q = MetricNet(D, h, d, cfg.rank, **kw)
         self.log_temp = nn.Parameter(torch.zeros(h)) if cfg.learn_temperature else None
         self.rates = None
-        if cfg.connection == "content":
+        if cfg.connection in CONTENT_CONNECTIONS:
             self.rates = nn.Linear(D, h * (d // 2), bias=False)  # omega_j = 2 theta sigmoid(W x_j)
-        if cfg.connection in ("flat", "content"):
+        if cfg.connection != "trivial":
             self.register_buffer("theta", rotary_frequencies(d, cfg.rotary_base), persistent=False)
         else:
             self.theta = None
@@ -323,13 +330,15 @@ class RiemannianAttention(nn.Module):
             when ``metric_side`` does not use it. The learned temperature is
             folded in.
         rates : Tensor or None
-            ``"flat"``: [d/2]; ``"content"``: [B, h, n, d/2]; else None.
+            ``"flat"``: [d/2]; content connections: the per-token rates
+            [B, h, n, d/2] (how an edge combines them:
+            :func:`~riemannian_ref.attention.connections.edge_rule`); else None.
         """
         cfg = self.config
         rates = None
         if cfg.connection == "flat":
             rates = self.theta.to(x.dtype)
-        elif cfg.connection == "content":
+        elif cfg.connection in CONTENT_CONNECTIONS:
             B, n, _ = x.shape
             s = self.rates(x).view(B, n, cfg.n_heads, cfg.qk_dim // 2).transpose(1, 2)  # (B, h, n, d/2)
             rates = self.theta.to(x.dtype) * 2.0 * torch.sigmoid(s)

@@ -166,7 +166,7 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
         out["metric"] = L * (net + pair)
     if conn == "flat":
         out["connection"] = L * 3 * n * hd * (4 + r * sides)  # rotate q, k, v, output and U: O(n d r)
-    if conn == "content":
+    if conn in ("content", "content_source"):
         rotations = 2 + (1 if cfg.metric_side in ("key", "mean") else 0)  # keys, values, (P^T on key side)
         out["connection"] = L * (2 * n * D * hd // 2 + n * n * hd + rotations * 3 * n * n * hd)
     if cfg.mlp:

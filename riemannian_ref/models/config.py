@@ -67,8 +67,9 @@ class FiberBundleConfig:
         :data:`~riemannian_ref.geometry.metric.LAM_MIN`.
     learn_temperature : bool, default False
         A learned per-head factor on :math:`1/\tau`.
-    connection : {"trivial", "flat", "content"} or None, default None
-        Transport of keys and values; None: ``"content"`` in ``"fiber_bundle"``
+    connection : {"trivial", "flat", "content", "content_source"} or None, default None
+        Transport of keys and values (:mod:`~riemannian_ref.attention.connections`);
+        None: ``"content"`` (inverse-consistent) in ``"fiber_bundle"``
         mode, ``"trivial"`` otherwise.
     transport_values : bool, default True
         Transport the values along the connection too.
@@ -85,7 +86,7 @@ class FiberBundleConfig:
         Initial step :math:`\eta` of the preconditioned FFN (learned per block).
     learned_positions : bool or None, default None
         Learned absolute position embeddings; None: unless the connection is
-        ``"flat"`` or ``"content"`` (which carries position itself).
+        not ``"trivial"`` (a connection carries position itself).
     skip : bool, default True
         Residual connections around the attention and the FFN.
     mlp : bool, default True

@@ -15,9 +15,17 @@ which is also a field of its own:
   fibre (positions then come from the connection, not from a learned table),
   and the metric-preconditioned feed-forward step
   :math:`x \leftarrow x + \eta\,G_x^{-1}\mathrm{FFN}(\mathrm{LN}(x))` with
-  :math:`G_x = \lambda I_D + U_x U_x^\top` (Woodbury, :math:`O(D r)`).
-  ``connection``, ``precondition_ffn`` and ``learned_positions`` override
-  each default, so each component can be switched alone.
+  :math:`G_x = \lambda I_D + U_x U_x^\top` (Woodbury, :math:`O(D r)`): a
+  learned, input-dependent damping of the feed-forward update, strongest
+  along the :math:`r` directions of :math:`U_x` (reading it as a Riemannian
+  steepest-descent step is an interpretation: the FFN output is not the
+  differential of a function).
+
+Switching ``mode`` from ``"riemannian"`` to ``"fiber_bundle"`` changes three
+things at once (the connection, the positions and the feed-forward step).
+``connection``, ``precondition_ffn`` and ``learned_positions`` are fields of
+their own that override each default, so each component can be switched
+alone, and an effect of the mode is only attributed by that ablation.
 
 The block is pre-norm and residual by default; ``skip``, ``mlp`` and
 ``layer_norm`` switch those parts off, which gives the pure self-attention
@@ -138,10 +146,10 @@ class Block(nn.Module):
         x = x + a if self.config.skip else a
         if self.mlp is not None:
             z = self.ln2(x)
-            f = self.mlp(z)  # a covector on the model space                (B, n, D)
+            f = self.mlp(z)  # the feed-forward update                     (B, n, D)
             if self.ffn_metric is not None:
                 lam, U = self.ffn_metric(z)  # (1,), (B, 1, n, D, r)
-                f = self.eta * LowRankMetric(lam, U.squeeze(1)).solve(f)  # eta G_x^{-1} f, Woodbury
+                f = self.eta * LowRankMetric(lam, U.squeeze(1)).solve(f)  # eta G_x^{-1} f: damped along U_x
             x = x + f if self.config.skip else f
         return x, A
 
@@ -232,9 +240,12 @@ class FiberBundleTransformer(nn.Module):
             Also return per-layer tensors, computed without gradient:
             ``"relative_residual"`` [L + 1] (:math:`\\|X - \\mathbf 1 \\bar x^\\top\\|_F / \\|X\\|_F`
             of the stream, averaged over the batch) and, in metric modes,
-            ``"lam"``, ``"holonomy"``, ``"torsion"`` (on the keys) and
-            ``"metric_compatibility"``, each [L, h], averaged over the batch
-            and ``diagnostic_samples`` fixed random triangles/pairs.
+            ``"lam"``, ``"holonomy"``, ``"transport_closure"`` (on the keys),
+            ``"metric_compatibility"`` (relative to the heterogeneity: 1 is
+            no better than no transport) and ``"metric_heterogeneity"``
+            (:math:`\\|G_i - G_j\\|_F`), each [L, h], averaged over the batch
+            and ``diagnostic_samples`` fixed random triangles/pairs
+            (:mod:`riemannian_ref.analysis.bundle`).
         diagnostic_samples : int
             Number of sampled triangles and pairs.
 
@@ -266,15 +277,15 @@ class FiberBundleTransformer(nn.Module):
     @torch.no_grad()
     def _diagnostics(self, H: Tensor, n_samples: int) -> dict:
         from ..analysis.bundle import (holonomy_defect, metric_compatibility_defect, sample_pairs,
-                                       sample_triangles, torsion_defect)
-        from ..attention.connections import connection_rates
+                                       sample_triangles, transport_closure_defect)
+        from ..attention.connections import connection_rates, edge_rule
 
         Hd = H.detach()
         res = Hd - Hd.mean(-2, keepdim=True)
         out = {"relative_residual": (res.flatten(-2).norm(dim=-1) / Hd.flatten(-2).norm(dim=-1)).mean(-1)}
         if self.config.mode == "euclidean":
             return out
-        lams, hol, tor, comp = [], [], [], []
+        lams, hol, clo, comp, het = [], [], [], [], []
         for layer, blk in enumerate(self.blocks):
             z = blk.ln1(Hd[layer])
             _, k, _ = blk.attn.project(z)
@@ -284,7 +295,8 @@ class FiberBundleTransformer(nn.Module):
             conn = blk.attn.config.connection
             if d % 2 or n < 3 or U_q is None and U_k is None:
                 continue
-            if conn != "content":
+            rule = edge_rule(conn)
+            if conn in ("trivial", "flat"):
                 rates = connection_rates(conn, n, d, rates=rates, like=k)
             g = torch.Generator().manual_seed(0)  # the same triangles every call: comparable numbers
             tri = sample_triangles(n, n_samples, generator=g, device=k.device)
@@ -292,12 +304,16 @@ class FiberBundleTransformer(nn.Module):
             U = U_k if U_k is not None else U_q
             if U.dim() == 4:  # shared [1, h, d, r]: the same metric for every token
                 U = U.unsqueeze(2).expand(B, h, n, *U.shape[-2:])
-            hol.append(holonomy_defect(rates, tri).expand(B, h).mean(0))  # (h,)
-            tor.append(torsion_defect(k, rates, tri).mean(0))  # (h,)
-            comp.append(metric_compatibility_defect(lam.view(h, 1), U, rates, pairs).mean(0))  # (h,)
+            hol.append(holonomy_defect(rates, tri, rule=rule).expand(B, h).mean(0))  # (h,)
+            clo.append(transport_closure_defect(k, rates, tri, rule=rule).mean(0))  # (h,)
+            defect = metric_compatibility_defect(lam.view(h, 1), U, rates, pairs, rule=rule)  # (B, h)
+            hetero = metric_compatibility_defect(lam.view(h, 1), U, torch.zeros_like(rates), pairs)
+            comp.append(defect.mean(0) / hetero.mean(0))  # (h,)
+            het.append(hetero.mean(0))  # (h,)
         out["lam"] = torch.stack(lams)  # (L, h)
         if hol:
-            out.update(holonomy=torch.stack(hol), torsion=torch.stack(tor), metric_compatibility=torch.stack(comp))
+            out.update(holonomy=torch.stack(hol), transport_closure=torch.stack(clo),
+                       metric_compatibility=torch.stack(comp), metric_heterogeneity=torch.stack(het))
         return out
 
     @torch.no_grad()
