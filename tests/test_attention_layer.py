@@ -120,6 +120,30 @@ def test_cross_attention_metric_comes_from_each_side():
         m(x)
 
 
+@pytest.mark.parametrize("connection", ["content", "content_source"])
+def test_content_connections_in_the_module(connection):
+    """The module passes its connection through: the edge rule of each content connection, its own rates."""
+    torch.manual_seed(0)
+    m = rr.RiemannianAttention(cfg(connection=connection, causal=True)).double()
+    x = torch.randn(2, 9, 16, dtype=F64)
+    out, _ = m(x)
+    q, k, v = m.project(x)
+    lam, U_q, U_k, rates = m.geometry(x)
+    o = rr.connection_attention(q, k, v, is_causal=True, U_q=U_q, U_k=U_k, lam=lam, connection=connection,
+                                rates=rates)
+    torch.testing.assert_close(out, _heads_out(m, o))
+    # the same weights under the other rule give another function
+    other = "content_source" if connection == "content" else "content"
+    m2 = rr.RiemannianAttention(cfg(connection=other, causal=True)).double()
+    m2.load_state_dict(m.state_dict())
+    assert (m2(x)[0] - out).abs().max() > 1e-6
+    # the default content connection is inverse-consistent on the module's own rates
+    phi = rr.attention.connections.transport_angles(rates, torch.arange(9, dtype=F64),
+                                                    rr.attention.connections.edge_rule(connection))
+    antisym = (phi + phi.transpose(-2, -3)).abs().max()
+    assert (antisym == 0) if connection == "content" else (antisym > 1e-6)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="divisible"):
         rr.RiemannianAttention(cfg(d_model=15))
