@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_tensor, shape_str
+from .._checks import check_bool, check_choice, check_int, check_number, check_tensor, shape_str
 from ..geometry.metric import LAM_MIN, MetricNet, raw_from_lam
 from ..geometry.scores import METRIC_SIDES, riemannian_scores
 from .connections import CONNECTIONS, connection_attention, rotary_frequencies
@@ -42,27 +42,8 @@ METRICS = ("token", "shared")
 QK_INITS = ("normal", "orthonormal")
 
 
-def _pos_int(v, name: str, minimum: int = 1) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
-
-
-def _number(v, name: str, *, low: float | None = None, low_open: bool = False, high: float | None = None,
-            high_open: bool = False) -> None:
-    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-    if ok and low is not None:
-        ok = v > low if low_open else v >= low
-    if ok and high is not None:
-        ok = v < high if high_open else v <= high
-    if not ok:
-        lo = "" if low is None else f"{'(' if low_open else '['}{low:g}, "
-        hi = "inf)" if high is None else f"{high:g}{')' if high_open else ']'}"
-        raise ValueError(f"{name} must be a finite number in {lo or '(-inf, '}{hi}, got {v!r}")
-
-
-def _choice(v, name: str, choices: tuple) -> None:
-    if v not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {v!r}")
+# the package's validators under the names the models import (errors name the field and the range)
+_pos_int, _number, _choice = check_int, check_number, check_choice
 
 
 @dataclass(frozen=True)
@@ -191,8 +172,7 @@ class AttentionConfig:
         if self.qk_init == "orthonormal" and self.qk_dim > min(self.d_model, self.kv_width):
             raise ValueError(f"orthonormal frames need head_dim <= d_model, got head_dim {self.qk_dim}")
         for name in ("cross_attention", "learn_temperature", "transport_values", "causal", "bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(getattr(self, name), name)
 
     @property
     def qk_dim(self) -> int:

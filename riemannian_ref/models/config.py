@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass
 
 from ..attention.connections import CONNECTIONS
-from ..attention.layer import AttentionConfig, _choice, _number, _pos_int
+from .._checks import check_bool, check_choice as _choice, check_int as _pos_int, check_number as _number
+from ..attention.layer import AttentionConfig
 from ..geometry.metric import raw_from_lam
 from ..geometry.scores import METRIC_SIDES
 
@@ -175,8 +176,7 @@ class FiberBundleConfig:
         _choice(self.activation, "activation", ACTIVATIONS)
         for name in ("shared_metric", "learn_temperature", "transport_values", "skip", "mlp", "layer_norm",
                      "causal", "bias", "tie_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(getattr(self, name), name)
         for name in ("precondition_ffn", "learned_positions"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool or None, got {getattr(self, name)!r}")

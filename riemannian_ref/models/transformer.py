@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._checks import check_tensor, shape_str
-from ..attention.layer import RiemannianAttention, _number, _pos_int
+from .._checks import check_int as _pos_int, check_number as _number, check_tensor, shape_str
+from ..attention.layer import RiemannianAttention
 from ..geometry.metric import LowRankMetric, MetricNet
 from .config import FiberBundleConfig
 
