@@ -386,6 +386,16 @@ class RiemannianAttention(nn.Module):
                                  f"got {shape_str(context)}")
         elif cfg.cross_attention:
             raise ValueError("this module is configured for cross-attention: pass context")
+        w = self.w_q
+        for name, t in (("x", x), ("context", context)):
+            if t is not None and (t.dtype != w.dtype or t.device != w.device):
+                raise ValueError(f"{name} has dtype {t.dtype} on {t.device} but the module's parameters are "
+                                 f"{w.dtype} on {w.device}; convert one of them (module.to(...))")
+        if is_causal is not None:
+            check_bool(is_causal, "is_causal")
+        check_bool(return_weights, "return_weights")
+        if positions is not None and not isinstance(positions, Tensor):
+            raise ValueError(f"positions must be a tensor [n] or [B, 1, n] or None, got {type(positions).__name__}")
         is_causal = cfg.causal if is_causal is None else is_causal
         B, n_q, _ = x.shape
         n_k = n_q if context is None else context.shape[1]
@@ -411,6 +421,13 @@ def _scale_factor(U: Tensor | None, s: Tensor) -> Tensor | None:
 
 def _combine_masks(attn_mask: Tensor | None, key_mask: Tensor | None, B: int, n_k: int) -> Tensor | None:
     """``attn_mask`` and a per-key ``key_mask`` [B, n_k] as one mask; the key mask stays [B, 1, 1, n_k]."""
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor) or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+            got = f"{attn_mask.dtype} tensor" if isinstance(attn_mask, Tensor) else type(attn_mask).__name__
+            raise ValueError(f"attn_mask must be a bool (True = may attend) or float (additive) tensor, got {got}")
+        if attn_mask.dim() > 4 or (attn_mask.dim() and attn_mask.shape[-1] not in (n_k, 1)):
+            raise ValueError(f"attn_mask must broadcast to [B, h, n_q, n_k] with n_k = {n_k}, got "
+                             f"{shape_str(attn_mask)}")
     if key_mask is None:
         return attn_mask
     if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, n_k):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_same, check_tensor, shape_str
+from .._checks import check_number, check_same, check_tensor, shape_str
 
 __all__ = ["sym", "polar", "Stiefel", "PartialIsometry"]
 
@@ -109,6 +109,8 @@ class Stiefel:
     ndim = 2
 
     def __init__(self, atol: float | None = None):
+        if atol is not None:
+            check_number(atol, "atol", low=0.0, low_open=True)
         self.atol = atol
 
     # -- projections ------------------------------------------------------
@@ -233,8 +235,9 @@ class Stiefel:
         """
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
-        if len(shape) < 2 or shape[-2] < shape[-1]:
-            raise ValueError(f"shape must be (..., n, p) with n >= p, got {tuple(shape)}")
+        if len(shape) < 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in shape) \
+                or shape[-2] < shape[-1]:
+            raise ValueError(f"shape must be ints (..., n, p) >= 0 with n >= p, got {tuple(shape)}")
         z = torch.randn(*shape, generator=generator, dtype=dtype)
         return polar(z).to(device) if device is not None else polar(z)
 
