@@ -236,14 +236,17 @@ def resume(path: str, *, config, module: nn.Module, optimizer: torch.optim.Optim
     return ck
 
 
-def diverged(step: int, what: str, path: str | None, last_saved: int | None) -> FloatingPointError:
-    """The error that stops a run at a non-finite loss or gradient (raised before the optimiser step)."""
+def diverged(step: int, what: str, path: str | None, last_saved: int | None, *,
+             after_step: bool = False) -> FloatingPointError:
+    """The error that stops a run at a non-finite loss or gradient (before the optimiser step), or at
+    non-finite parameters (after it)."""
     if path is None:
         kept = "no checkpoint is written (checkpoint_path is None)"
     elif last_saved is None:
         kept = f"no checkpoint was written yet ({path!r} was left as it was)"
     else:
         kept = f"the last good checkpoint, of step {last_saved}, is kept in {path!r}"
-    return FloatingPointError(f"training diverged at step {step}: {what}; stopped before the optimiser step "
-                              f"(the model holds the parameters it had before step {step}), {kept}. A smaller "
-                              f"lr, a longer warm-up or grad_clip usually help.")
+    where = ("stopped after the optimiser step (the model's parameters are no longer finite)" if after_step else
+             f"stopped before the optimiser step (the model holds the parameters it had before step {step})")
+    return FloatingPointError(f"training diverged at step {step}: {what}; {where}, {kept}. A smaller lr, a "
+                              f"longer warm-up or grad_clip usually help.")

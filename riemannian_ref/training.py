@@ -219,14 +219,14 @@ def _make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
 
 
-def _total_norm(grads: list[Tensor]) -> Tensor:
-    """The Euclidean norm of all gradients together (a 0-dim tensor)."""
-    if not grads:
+def _total_norm(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
+    """The ``ord``-norm of all ``tensors`` together, a 0-dim tensor (NaN if any entry is NaN)."""
+    if not tensors:
         return torch.zeros(())
-    total = getattr(nn.utils, "get_total_norm", None)  # torch >= 2.6
+    total = getattr(nn.utils, "get_total_norm", None)  # torch >= 2.6: one fused pass
     if total is not None:
-        return total(grads)
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        return total(tensors, norm_type=ord)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float(), ord) for t in tensors]), ord)
 
 
 def _empty_history() -> dict[str, list]:
@@ -273,9 +273,10 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
         what is wrong; nothing is loaded then).
     FloatingPointError
         At the first step whose training loss (or, the loss being finite, its
-        gradient norm) is not finite, naming the step. The optimiser step is
-        not taken, so the model keeps the last finite parameters, and the
-        checkpoint file keeps the last evaluation's state.
+        gradient norm) is not finite, naming the step: the optimiser step is
+        not taken, so the model keeps the last finite parameters. Also when
+        an optimiser step turns a parameter non-finite (an overflowing
+        update). The checkpoint file keeps the last evaluation's state.
     """
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
@@ -377,6 +378,10 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
             raise _checkpoint.diverged(step, f"the gradient norm is {float(gnorm)} (loss {loss_value:.6g})",
                                        config.checkpoint_path, last_saved)
         opt.step()
+        biggest = float(_total_norm([p.detach() for p in module.parameters()], math.inf))
+        if not math.isfinite(biggest):  # finite loss and gradient, but the update overflowed
+            raise _checkpoint.diverged(step, f"the optimiser step made a parameter non-finite (largest |entry| "
+                                             f"{biggest})", config.checkpoint_path, last_saved, after_step=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_time += time.perf_counter() - t0

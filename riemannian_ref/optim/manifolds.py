@@ -60,6 +60,8 @@ def polar(x: Tensor) -> Tensor:
     check_tensor(x, "x", min_dim=2)
     if x.shape[-2] < x.shape[-1]:
         raise ValueError(f"x must have shape [..., n, p] with n >= p, got {shape_str(x)}")
+    if not bool(torch.isfinite(x).all()):  # the SVD would fail with a LinAlgError
+        raise ValueError(f"x must be finite, got {int((~torch.isfinite(x)).sum())} NaN/inf entries")
     U, _, Vh = torch.linalg.svd(x, full_matrices=False)  # (..., n, p), (..., p, p)
     return U @ Vh
 
