@@ -181,10 +181,12 @@ class StiefelAdam(_AdamBase):
     frame). ``state_dict``/``load_state_dict`` are torch's.
     """
 
+    # stateless geometry, on the class: torch's Optimizer pickles (and deep-copies) only its state and groups
+    manifold = Stiefel()
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, trust_radius: float | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, trust_radius, stiefel=False)
-        self.manifold = Stiefel()
         for group in self.param_groups:
             if group["stiefel"]:
                 for p in group["params"]:
@@ -259,12 +261,13 @@ class LowRankAdam(_AdamBase):
     """
 
     GEOMETRIES = ("embedded", "factored")
+    # stateless geometries, on the class: torch's Optimizer pickles (and deep-copies) only its state and groups
+    fixed_rank = FixedRankEmbedded()
+    factored = FactoredLowRank(balance=True)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, trust_radius: float | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, trust_radius, geometry=None)
-        self.fixed_rank = FixedRankEmbedded()
-        self.factored = FactoredLowRank(balance=True)
         for group in self.param_groups:
             geo = group["geometry"]
             if geo is None:
