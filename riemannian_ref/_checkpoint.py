@@ -189,14 +189,17 @@ def check_same_run(blob: dict, path: str, *, config, module: nn.Module, optimize
 
 
 def restore(blob: dict, path: str, *, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load the model's and the optimiser's states, turning torch's errors into ones naming ``path``."""
+    """Load the model's and the optimiser's states, or neither, turning torch's errors into ones naming ``path``."""
+    before = {k: v.detach().clone() for k, v in module.state_dict().items()}
     try:
         module.load_state_dict(blob["model"])
     except (RuntimeError, KeyError, ValueError) as exc:
+        module.load_state_dict(before)
         raise ValueError(f"checkpoint {path!r}: the model's state does not load: {exc}") from None
     try:
         optimizer.load_state_dict(blob["optimizer"])
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+        module.load_state_dict(before)  # all or nothing
         raise ValueError(f"checkpoint {path!r}: the optimiser's state does not load "
                          f"({type(exc).__name__}: {exc})") from None
 

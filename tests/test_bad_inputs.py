@@ -265,11 +265,16 @@ def test_damaged_and_foreign_files_name_the_file_and_the_problem(tmp_path, check
     torch.save({**blob, "step": "two"}, wrong)
     text = tmp_path / "text.pt"
     text.write_text("not a checkpoint")
+    no_state = tmp_path / "no_state.pt"
+    torch.save({**blob, "optimizer": {"param_groups": blob["optimizer"]["param_groups"]}}, no_state)
     for path, what in [(cut, "cannot be read safely"), (foreign, "not a riemannian_ref training checkpoint"),
                        (missing, "'optimizer' .* is missing"), (wrong, "'step' .* should be int"),
-                       (text, "cannot be read safely")]:
+                       (text, "cannot be read safely"), (no_state, "the optimiser's state does not load")]:
+        model = _fbt(seed=2)
+        before = copy.deepcopy(model.state_dict())
         with pytest.raises(ValueError, match=rf"{path.name}.*{what}"):
-            rr.train(_fbt(), tr, va, _cfg(path, resume=True))
+            rr.train(model, tr, va, _cfg(path, resume=True))
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # all or nothing
 
 
 @pytest.mark.parametrize("change,reported", [
