@@ -324,8 +324,17 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
         loss_since, n_since = ck["loss_since"], ck["n_since"]
         last_saved = start_step
 
+    def params_finite() -> bool:
+        return math.isfinite(float(_total_norm([p.detach() for p in module.parameters()], math.inf)))
+
+    def overflowed(at: int) -> FloatingPointError:
+        return _checkpoint.diverged(at, "the optimiser step made a parameter non-finite", config.checkpoint_path,
+                                    last_saved, after_step=True)
+
     def save(step: int) -> None:
         nonlocal last_saved
+        if config.checkpoint_path and not params_finite():  # never overwrite the last good state with inf/NaN
+            raise overflowed(step)
         if config.checkpoint_path:
             _checkpoint.save(config.checkpoint_path, config=config, module=module, optimizer=opt, sampler=sampler,
                              rank=rank, world_size=world,
@@ -363,25 +372,27 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
             g["lr"] = g["peak_lr"] * factor
         b = shard if local_bs is None else shard[torch.randint(0, len(shard), (local_bs,), generator=sampler)]
         x, y, m = (train_data.x[b].to(device), train_data.y[b].to(device), train_data.mask[b].to(device))
-        loss = masked_cross_entropy(logits_of(model(x)), y, m)
+        try:
+            loss = masked_cross_entropy(logits_of(model(x)), y, m)
+        except Exception as exc:  # e.g. a metric's lam refused: was it the previous update that overflowed?
+            if not params_finite():
+                raise overflowed(step - 1) from exc
+            raise
         loss_value = _all_sum([loss.item()], device)[0] / world  # the same on every rank
         if not math.isfinite(loss_value):
+            if not params_finite():
+                raise overflowed(step - 1)
             raise _checkpoint.diverged(step, f"the training loss is {loss_value}", config.checkpoint_path, last_saved)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
-        if config.grad_clip is not None:
+        if config.grad_clip is not None:  # the norm comes for free
             gnorm = nn.utils.clip_grad_norm_(module.parameters(), config.grad_clip)
         else:
-            gnorm = _total_norm(grads)
+            gnorm = _total_norm([p.grad for p in module.parameters() if p.grad is not None])
         if not math.isfinite(float(gnorm)):  # the loss was finite, its gradient is not
             raise _checkpoint.diverged(step, f"the gradient norm is {float(gnorm)} (loss {loss_value:.6g})",
                                        config.checkpoint_path, last_saved)
         opt.step()
-        biggest = float(_total_norm([p.detach() for p in module.parameters()], math.inf))
-        if not math.isfinite(biggest):  # finite loss and gradient, but the update overflowed
-            raise _checkpoint.diverged(step, f"the optimiser step made a parameter non-finite (largest |entry| "
-                                             f"{biggest})", config.checkpoint_path, last_saved, after_step=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_time += time.perf_counter() - t0

@@ -387,23 +387,49 @@ def test_training_stops_at_the_first_non_finite_step_and_keeps_the_checkpoint(tm
 def test_a_diverging_riemannian_model_is_named_not_blamed_on_lam(tmp_path):
     # It used to die in the next forward with "lam must be finite and > 0": the metric's lam had become inf.
     tr, va = _recall()
-    with pytest.raises(FloatingPointError, match=r"diverged at step \d+: the training loss is (nan|inf)"):
+    with pytest.raises(FloatingPointError, match=r"diverged at step \d+: (the training loss is (nan|inf)|"
+                                                 r"the optimiser step made a parameter non-finite)"):
         rr.train(_fbt(), tr, va, _cfg(tmp_path / "ck.pt", optimizer="sgd", lr=1e38, momentum=0.0, grad_clip=None))
 
 
-def test_an_update_that_overflows_a_parameter_stops_the_run(tmp_path):
+@pytest.mark.parametrize("kind", ["plain", "riemannian"])
+def test_an_update_that_overflows_a_parameter_stops_the_run(tmp_path, kind):
+    # "riemannian": the overflowing parameter is a metric's raw lam, so the next forward raises
+    # "lam must be finite" from inside the attention; the loop names the update instead.
+    model = _Poisoned(at=10**9) if kind == "plain" else _fbt()
+    target = next(p for n, p in model.named_parameters() if kind == "plain" or n.endswith("metric.rho"))
+
     class Overflowing(torch.optim.SGD):
         def step(self, closure=None):
             super().step(closure)
-            if self.state.get("n", 0) == 2:  # the third step overflows
-                self.param_groups[0]["params"][0].data[0] = float("inf")
+            if self.state.get("n", 0) == 2:  # the third update overflows
+                target.data[0] = float("inf")
             self.state["n"] = self.state.get("n", 0) + 1
 
     tr, va = _recall()
-    model = _Poisoned(at=10**9)
+    path = tmp_path / "ck.pt"
     with pytest.raises(FloatingPointError, match="diverged at step 3: the optimiser step made a parameter non-finite"
                                                  r".*step 2, is kept"):
-        rr.train(model, tr, va, _cfg(tmp_path / "ck.pt"), optimizer=Overflowing(model.parameters(), lr=0.1))
+        rr.train(model, tr, va, _cfg(path), optimizer=Overflowing(model.parameters(), lr=0.1))
+    assert torch.load(path, weights_only=True)["step"] == 2
+
+
+def test_an_overflow_at_an_evaluation_step_never_reaches_the_checkpoint(tmp_path):
+    model = _Poisoned(at=10**9)
+
+    class Overflowing(torch.optim.SGD):
+        def step(self, closure=None):
+            super().step(closure)
+            if self.state.get("n", 0) == 3:  # the fourth update, followed by an evaluation and a save
+                self.param_groups[0]["params"][0].data[0] = float("nan")
+            self.state["n"] = self.state.get("n", 0) + 1
+
+    tr, va = _recall()
+    path = tmp_path / "ck.pt"
+    with pytest.raises(FloatingPointError, match="diverged at step 4: the optimiser step made a parameter non-finite"):
+        rr.train(model, tr, va, _cfg(path), optimizer=Overflowing(model.parameters(), lr=0.1))
+    ck = torch.load(path, weights_only=True)
+    assert ck["step"] == 2 and all(torch.isfinite(t).all() for t in ck["model"].values())
 
 
 # ============================================================ 5. diagnostics
