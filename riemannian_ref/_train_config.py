@@ -121,6 +121,8 @@ class TrainConfig:
             object.__setattr__(self, "betas", tuple(self.betas))
         if isinstance(self.checkpoint_path, os.PathLike):
             object.__setattr__(self, "checkpoint_path", os.fspath(self.checkpoint_path))
+        if isinstance(self.device, torch.device):  # kept as a plain str (checkpoints, result files)
+            object.__setattr__(self, "device", str(self.device))
         self.validate()
 
     def validate(self) -> None:
