@@ -188,6 +188,8 @@ def test_model_inputs_refuse_by_name(gen):
                        (lambda: att(x, key_mask=torch.ones(2, 5)), "key_mask")]:
         with pytest.raises(ValueError, match=name):
             call()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast another dtype is expected, not refused
+        assert att(x.bfloat16())[0].shape == (2, 5, 8)
 
 
 # ============================================================ 3. files: checkpoints and resume

@@ -387,8 +387,9 @@ class RiemannianAttention(nn.Module):
         elif cfg.cross_attention:
             raise ValueError("this module is configured for cross-attention: pass context")
         w = self.w_q
+        mixed = torch.is_autocast_enabled(x.device.type)  # autocast casts per op: other dtypes are expected
         for name, t in (("x", x), ("context", context)):
-            if t is not None and (t.dtype != w.dtype or t.device != w.device):
+            if t is not None and ((t.dtype != w.dtype and not mixed) or t.device != w.device):
                 raise ValueError(f"{name} has dtype {t.dtype} on {t.device} but the module's parameters are "
                                  f"{w.dtype} on {w.device}; convert one of them (module.to(...))")
         if is_causal is not None:
