@@ -14,12 +14,21 @@ each rank training on its own shard of the examples:
 Configs can also come from a small JSON file (``--config cfg.json``) holding
 ``{"task": {...}, "model": {...}, "train": {...}}``; command-line flags given
 explicitly override it. Checkpoints go to ``checkpoints/`` (git-ignored);
-``--resume`` continues an interrupted run exactly.
+``--resume`` continues an interrupted run exactly, and refuses a checkpoint
+written by a run with another configuration.
+
+Default file names carry a short hash of everything that defines the run
+(task, model, the training fields of :meth:`riemannian_ref.TrainConfig.run_fields`
+and the initialisation seed), ``train_<task>_<mode>_s<seed>_<hash>``, so runs
+that differ in any of them (model size, learning rate, ...) never share a
+result or a checkpoint, while a run stopped with ``--stop-at-step`` and its
+``--resume`` (or the same run on another device) share both.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -107,6 +116,19 @@ def _merge(dc, updates: dict):
     return type(dc)(**out)
 
 
+def run_id(cfg: RunConfig) -> str:
+    """Ten hex digits of a hash of what defines the run: task, model, training run fields, init seed."""
+    blob = {"task": asdict(cfg.task), "model": asdict(cfg.model), "train": cfg.train.run_fields(),
+            "model_seed": cfg.model_seed}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def default_paths(cfg: RunConfig) -> tuple[str, str]:
+    """The default result file and checkpoint of a run: ``results/train_<tag>.json``, ``checkpoints/train_<tag>.pt``."""
+    tag = f"{cfg.task.name}_{cfg.model.mode}_s{cfg.train.seed}_{run_id(cfg)}"
+    return os.path.join("results", f"train_{tag}.json"), os.path.join("checkpoints", f"train_{tag}.pt")
+
+
 def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="JSON file with {task: {...}, model: {...}, train: {...}}")
@@ -132,8 +154,8 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap.add_argument("--seed", type=int, help="data/batch-order seed and (unless --model-seed) init seed")
     ap.add_argument("--model-seed", type=int)
     ap.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    ap.add_argument("--out", help="result JSON (default results/train_<task>_<mode>_s<seed>.json)")
-    ap.add_argument("--checkpoint", help="checkpoint path (default checkpoints/<result name>.pt)")
+    ap.add_argument("--out", help="result JSON (default results/train_<task>_<mode>_s<seed>_<run hash>.json)")
+    ap.add_argument("--checkpoint", help="checkpoint path (default checkpoints/train_<task>_<mode>_s<seed>_<run hash>.pt)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--stop-at-step", type=int, help="stop early, checkpointed (resume later)")
     ap.add_argument("--no-progress", action="store_true")
@@ -165,24 +187,25 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
 def main(argv=None) -> dict:
     cfg, a = parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if cfg.train.device == "cpu" and a.device is None and torch.cuda.is_available():
-        cfg.train.device = "cuda"
+    device = cfg.train.device
+    if device == "cpu" and a.device is None and torch.cuda.is_available():
+        device = "cuda"
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if distributed:
-        backend = "nccl" if cfg.train.device.startswith("cuda") else "gloo"
+        backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
-            cfg.train.device = f"cuda:{local_rank}"
+            device = f"cuda:{local_rank}"
         dist.init_process_group(backend)
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     try:
         tc, mc = cfg.task, cfg.model
-        tag = f"{tc.name}_{mc.mode}_s{cfg.train.seed}"
-        out = a.out or os.path.join("results", f"train_{tag}.json")
-        cfg.train.checkpoint_path = a.checkpoint or os.path.join("checkpoints", f"train_{tag}.pt")
-        cfg.train.resume = a.resume
-        cfg.train.progress = not a.no_progress and rank == 0
+        out, checkpoint = default_paths(cfg)
+        out, tag = a.out or out, os.path.splitext(os.path.basename(a.out or out))[0]
+        cfg = dataclasses.replace(cfg, train=cfg.train.replace(
+            device=device, checkpoint_path=a.checkpoint or checkpoint, resume=a.resume,
+            progress=not a.no_progress and rank == 0))
         train_data, val_data = task_data(tc, cfg.train.seed)
         torch.manual_seed(cfg.model_seed)
         model = build_model(mc, train_data.vocab_size, train_data.seq_len)
@@ -191,6 +214,7 @@ def main(argv=None) -> dict:
         wall = time.perf_counter() - t0
         record = {
             "task": asdict(tc), "model": asdict(mc), "train": res.config, "model_seed": cfg.model_seed,
+            "run_id": run_id(cfg),
             "world_size": world, "n_params": res.n_params, "steps_done": res.steps_done,
             "train_time_s": res.train_time_s, "wall_s": wall, "tokens_per_s": res.tokens_per_s,
             "final": res.final, "history": res.history,

@@ -7,6 +7,7 @@ silently or failing deep inside a matmul.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable, Sequence
 
 import torch
@@ -73,3 +74,40 @@ def as_positive(x, name: str, like: Tensor) -> Tensor:
         bad = t[~(torch.isfinite(t) & (t > 0))].flatten()[:3].tolist()
         raise ValueError(f"{name} must be finite and > 0 everywhere, got values such as {bad}")
     return t
+
+
+# ------------------------------------------------------------ scalar arguments and config fields
+def check_int(v, name: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """An int (not a bool) in ``[minimum, maximum]``."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (maximum is not None and v > maximum):
+        rng = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an int {rng}, got {v!r}")
+    return v
+
+
+def check_number(v, name: str, *, low: float | None = None, low_open: bool = False, high: float | None = None,
+                 high_open: bool = False) -> float:
+    """A finite real number (not a bool) in the interval given by ``low`` and ``high``."""
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    if ok and low is not None:
+        ok = v > low if low_open else v >= low
+    if ok and high is not None:
+        ok = v < high if high_open else v <= high
+    if not ok:
+        lo = "(-inf, " if low is None else f"{'(' if low_open else '['}{low:g}, "
+        hi = "inf)" if high is None else f"{high:g}{')' if high_open else ']'}"
+        raise ValueError(f"{name} must be a finite number in {lo}{hi}, got {v!r}")
+    return v
+
+
+def check_choice(v, name: str, choices: tuple) -> None:
+    """One of ``choices``."""
+    if not isinstance(v, (str, type(None), bool, int)) or v not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {v!r}")
+
+
+def check_bool(v, name: str) -> bool:
+    """A bool (not merely truthy)."""
+    if not isinstance(v, bool):
+        raise ValueError(f"{name} must be a bool, got {v!r}")
+    return v

@@ -72,8 +72,10 @@ class TaskData:
     Raises
     ------
     ValueError
-        If ``x`` is not a 2-D int64 tensor, ``y`` or ``mask`` has another
-        shape than ``x``, or ``mask`` is not bool.
+        If ``x`` is not a 2-D int64 tensor of ids below ``vocab_size``,
+        ``y`` (int64) or ``mask`` (bool) has another shape than ``x``, a
+        scored target is outside ``[0, out_dim)``, or ``vocab_size`` /
+        ``n_classes`` is not a positive int.
     """
 
     x: Tensor
@@ -84,13 +86,28 @@ class TaskData:
     n_classes: int | None = None
 
     def __post_init__(self):
+        for nm in ("x", "y", "mask"):
+            if not isinstance(getattr(self, nm), Tensor):
+                raise ValueError(f"{nm} must be a tensor [N, n], got {type(getattr(self, nm)).__name__}")
         if self.x.dim() != 2 or self.x.dtype != torch.long:
             raise ValueError(f"x must be an int64 tensor of shape [N, n], got {self.x.dtype} {tuple(self.x.shape)}")
         for nm, t in (("y", self.y), ("mask", self.mask)):
             if t.shape != self.x.shape:
                 raise ValueError(f"{nm} must have the shape of x {tuple(self.x.shape)}, got {tuple(t.shape)}")
+        if self.y.dtype != torch.long:
+            raise ValueError(f"y must be int64, got {self.y.dtype}")
         if self.mask.dtype != torch.bool:
             raise ValueError(f"mask must be bool, got {self.mask.dtype}")
+        _positive_int(self.vocab_size, "vocab_size")
+        if self.n_classes is not None:
+            _positive_int(self.n_classes, "n_classes")
+        if self.x.numel() and (int(self.x.min()) < 0 or int(self.x.max()) >= self.vocab_size):
+            raise ValueError(f"x must hold token ids in [0, vocab_size) = [0, {self.vocab_size}), got values in "
+                             f"[{int(self.x.min())}, {int(self.x.max())}]")
+        scored = self.y[self.mask]
+        if scored.numel() and (int(scored.min()) < 0 or int(scored.max()) >= self.out_dim):
+            raise ValueError(f"y must hold targets in [0, {self.out_dim}) at the scored positions (mask), got "
+                             f"values in [{int(scored.min())}, {int(scored.max())}]")
 
     def __len__(self) -> int:
         return self.x.shape[0]
@@ -422,9 +439,11 @@ def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | No
         length), ``source`` (where the text came from).
     """
     _positive_int(block_size, "block_size", 1)
-    if not 0.0 < val_fraction < 1.0:
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction!r}")
     stride = block_size if stride is None else _positive_int(stride, "stride")
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"text must be a str or None, got {type(text).__name__}")
     source = "given text"
     if text is None:
         text = stdlib_docstring_text()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Callable, Sequence
 
 import torch
@@ -36,6 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import _checkpoint
+from ._checks import check_int
+from ._train_config import TrainConfig, TrainResult, _as_device, lr_at
 from .data import TaskData
 
 __all__ = [
@@ -50,166 +53,8 @@ __all__ = [
 ]
 
 Hook = Callable[[int, dict], None]
-
-
-@dataclass
-class TrainConfig:
-    r"""Everything :func:`train` needs besides the model and the data.
-
-    :func:`train` calls :meth:`validate`, which raises ``ValueError`` naming
-    the first bad field.
-
-    Parameters
-    ----------
-    optimizer : {"adamw", "sgd"}, default "adamw"
-        :class:`torch.optim.AdamW` or :class:`torch.optim.SGD`.
-    lr : float, default 1e-3
-        Peak learning rate :math:`\eta` (positive, finite); the schedule is
-        :func:`lr_at`.
-    weight_decay : float, default 0.0
-        Decoupled weight decay for AdamW, an L2 term for SGD; applied only to
-        parameters with two or more dimensions (not to biases, norms' gains
-        or other vectors).
-    betas : (float, float), default (0.9, 0.98)
-        AdamW's moment coefficients (unused by SGD).
-    momentum : float, default 0.9
-        SGD's momentum (unused by AdamW).
-    schedule : {"constant", "cosine"}, default "cosine"
-        Learning rate after the warm-up: constant :math:`\eta`, or a cosine
-        decay to ``lr * min_lr_ratio`` at the last step.
-    warmup_steps : int, default 0
-        Linear warm-up length :math:`W`, in ``[0, steps)``: step
-        :math:`s < W` uses :math:`\eta (s + 1) / W`.
-    min_lr_ratio : float, default 0.1
-        :math:`\rho \in [0, 1]`: the cosine schedule ends at :math:`\rho\eta`.
-    grad_clip : float or None, default 1.0
-        Clip the global gradient norm (over all parameters) to this; None:
-        no clipping.
-    steps : int, default 1000
-        Total optimiser steps; defines the schedule and the final evaluation.
-    batch_size : int or None, default 32
-        Global batch size: under DDP each of the ranks takes
-        ``batch_size / world_size`` (it must divide). Batches are drawn
-        uniformly with replacement from the (rank's shard of the) training
-        examples. None: full batch, every step uses all (the rank's shard of
-        the) training examples, in order.
-    eval_interval : int, default 100
-        Evaluate at step 0, every ``eval_interval`` steps and at ``steps``.
-    eval_batch_size : int, default 256
-        Batch size of :func:`evaluate`, per rank.
-    eval_max_examples : int or None, default None
-        Evaluate on the first this many validation examples; None: all.
-    seed : int, default 0
-        Seed of the batch order (independent of the model); it does not seed
-        the model's initialisation or torch's global generator (use
-        :func:`seed_everything` before building the model).
-    device : str, default "cpu"
-        Where the model and batches go: ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
-    progress : bool, default False
-        Draw a ``tqdm`` progress bar (on rank 0 only).
-    checkpoint_path : str or None, default None
-        Save model, optimiser, batch-sampler and global RNG states and the
-        history here (atomically, on rank 0) after every evaluation but the
-        one at step 0, and at the stop when ``stop_at_step`` falls between
-        evaluations; None: no checkpoints.
-    resume : bool, default False
-        Continue from ``checkpoint_path`` if that file exists (it must be set);
-        the resumed run reproduces the uninterrupted one.
-    stop_at_step : int or None, default None
-        Stop after this step (in ``[1, steps]``), saving a checkpoint there
-        if ``checkpoint_path`` is set, e.g. before a job's time limit; the
-        schedule is still that of ``steps``. None: run to ``steps``.
-    """
-
-    optimizer: str = "adamw"  # "adamw" or "sgd"
-    lr: float = 1e-3  # peak learning rate
-    weight_decay: float = 0.0  # decoupled for AdamW, L2 for SGD
-    betas: tuple[float, float] = (0.9, 0.98)  # AdamW
-    momentum: float = 0.9  # SGD
-    schedule: str = "cosine"  # "constant" or "cosine" (both after linear warm-up)
-    warmup_steps: int = 0  # linear warm-up from lr / warmup_steps
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
-    grad_clip: float | None = 1.0  # max global gradient norm; None: no clipping
-    steps: int = 1000  # total optimiser steps (defines the schedule)
-    batch_size: int | None = 32  # global batch (divided across DDP ranks); None: full batch
-    eval_interval: int = 100  # evaluate at step 0, every eval_interval steps and at the end
-    eval_batch_size: int = 256  # per rank
-    eval_max_examples: int | None = None  # evaluate on a prefix of val (None: all of it)
-    seed: int = 0  # batch order only (not the model's init, not torch's global RNG)
-    device: str = "cpu"  # "cpu", "cuda", "cuda:1", ...
-    progress: bool = False  # draw a tqdm bar (rank 0 only)
-    checkpoint_path: str | None = None  # save here at every evaluation and at the end
-    resume: bool = False  # continue from checkpoint_path if it exists
-    stop_at_step: int | None = None  # stop early (after checkpointing), e.g. a job time limit
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad field."""
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
-        if self.schedule not in ("constant", "cosine"):
-            raise ValueError(f"schedule must be 'constant' or 'cosine', got {self.schedule!r}")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip!r}")
-        for name in ("steps", "eval_interval", "eval_batch_size") + (("batch_size",) if self.batch_size is not None else ()):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) \
-                or not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(f"warmup_steps must be an int in [0, steps={self.steps}), got {self.warmup_steps!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
-        if self.resume and not self.checkpoint_path:
-            raise ValueError("resume=True needs a checkpoint_path")
-        if self.stop_at_step is not None and not 1 <= self.stop_at_step <= self.steps:
-            raise ValueError(f"stop_at_step must be in [1, steps={self.steps}] or None, got {self.stop_at_step!r}")
-        if self.eval_max_examples is not None and self.eval_max_examples < 1:
-            raise ValueError(f"eval_max_examples must be >= 1 or None, got {self.eval_max_examples!r}")
-
-
-@dataclass
-class TrainResult:
-    """What :func:`train` returns.
-
-    ``history`` maps ``"step"``, ``"lr"``, ``"train_loss"`` (mean over the
-    steps since the previous evaluation; ``nan`` at step 0), ``"val_loss"``,
-    ``"val_accuracy"`` (scored positions), ``"val_seq_accuracy"`` (examples
-    with every scored position right), ``"tokens_per_s"`` (input tokens of all
-    ranks per second of training, evaluation excluded) and ``"time_s"``
-    (cumulative training seconds) to lists, one entry per evaluation.
-
-    Parameters
-    ----------
-    history : dict of str to list
-        The metrics of every evaluation, as above.
-    final : dict of str to float
-        ``val_loss``, ``val_accuracy`` and ``val_seq_accuracy`` of the last
-        evaluation.
-    steps_done : int
-        The last optimiser step taken (``stop_at_step`` when stopped early).
-    train_time_s : float
-        Seconds spent in training steps (evaluation excluded), including
-        those before a resume.
-    tokens_per_s : float
-        Input tokens of all ranks per training second over the whole run;
-        ``nan`` if no step was timed.
-    n_params : int
-        Number of trainable parameters of the model.
-    config : dict, default {}
-        The :class:`TrainConfig` as a dict (:func:`dataclasses.asdict`).
-    """
-
-    history: dict[str, list]
-    final: dict[str, float]
-    steps_done: int
-    train_time_s: float
-    tokens_per_s: float
-    n_params: int
-    config: dict = field(default_factory=dict)
+for _obj in (TrainConfig, TrainResult, lr_at):  # defined in a private module; this is their public home
+    _obj.__module__ = __name__
 
 
 def _count_params(model: nn.Module) -> int:
@@ -229,41 +74,6 @@ def seed_everything(seed: int) -> None:
         The seed.
     """
     torch.manual_seed(seed)
-
-
-def lr_at(step: int, config: TrainConfig) -> float:
-    r"""Learning rate for optimiser step ``step`` (0-based).
-
-    Linear warm-up :math:`\eta (s+1)/W` for :math:`s < W`, then ``constant``
-    :math:`\eta`, or ``cosine``
-    :math:`\eta\,(\rho + (1-\rho)\tfrac12(1 + \cos \pi t))`, with
-    :math:`t = (s - W)/(S - 1 - W)` going from 0 to 1 over the remaining steps
-    and :math:`\rho` = ``min_lr_ratio``. Here :math:`\eta` = ``lr``,
-    :math:`W` = ``warmup_steps``, :math:`S` = ``steps``; if no step follows
-    the warm-up (:math:`S - 1 \le W`) the rate stays :math:`\eta`, and
-    :math:`t` is capped at 1 for steps beyond :math:`S - 1`.
-
-    Parameters
-    ----------
-    step : int
-        Optimiser step :math:`s \ge 0` (0-based: :func:`train` passes
-        ``step - 1`` for its step ``step``).
-    config : TrainConfig
-        Supplies ``lr``, ``schedule``, ``warmup_steps``, ``min_lr_ratio``
-        and ``steps``.
-
-    Returns
-    -------
-    float
-    """
-    W, S, eta = config.warmup_steps, config.steps, config.lr
-    if step < W:
-        return eta * (step + 1) / W
-    if config.schedule == "constant" or S - 1 - W <= 0:
-        return eta
-    t = min(1.0, (step - W) / (S - 1 - W))
-    rho = config.min_lr_ratio
-    return eta * (rho + (1 - rho) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 def logits_of(out) -> Tensor:
@@ -303,6 +113,12 @@ def masked_cross_entropy(logits: Tensor, y: Tensor, mask: Tensor, reduction: str
         raise ValueError(f"logits must have shape [B, n, V] with [B, n] = {tuple(y.shape)}, got {tuple(logits.shape)}")
     sel = logits[mask]  # (M, V)
     return F.cross_entropy(sel.float(), y[mask], reduction=reduction)
+
+
+def _check_module(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module mapping token ids [B, n] to logits, got "
+                         f"{type(model).__name__}")
 
 
 def _dist() -> tuple[int, int]:
@@ -358,7 +174,13 @@ def evaluate(model: nn.Module, data: TaskData, *, batch_size: int = 256, device:
     ValueError
         If no position is scored (empty data or an all-false mask).
     """
-    device = torch.device(device)
+    _check_module(model)
+    if not isinstance(data, TaskData):
+        raise ValueError(f"data must be a TaskData, got {type(data).__name__}")
+    check_int(batch_size, "batch_size", 1)
+    if max_examples is not None:
+        check_int(max_examples, "max_examples", 1)
+    device = _as_device(device)
     rank, world = _dist()
     # Evaluate the bare module: a DDP forward may run collectives (buffer broadcast),
     # which would hang when the ranks' shards give different numbers of batches.
@@ -397,6 +219,16 @@ def _make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
 
 
+def _total_norm(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
+    """The ``ord``-norm of all ``tensors`` together, a 0-dim tensor (NaN if any entry is NaN)."""
+    if not tensors:
+        return torch.zeros(())
+    total = getattr(nn.utils, "get_total_norm", None)  # torch >= 2.6: one fused pass
+    if total is not None:
+        return total(tensors, norm_type=ord)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float(), ord) for t in tensors]), ord)
+
+
 def _empty_history() -> dict[str, list]:
     return {k: [] for k in ("step", "lr", "train_loss", "val_loss", "val_accuracy",
                             "val_seq_accuracy", "tokens_per_s", "time_s")}
@@ -432,12 +264,30 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
         model, optimiser, batch-sampler state and history are saved at every
         evaluation; ``resume=True`` continues from there and reproduces the
         uninterrupted run exactly (same batches, same schedule).
+
+    Raises
+    ------
+    ValueError
+        For a bad argument (naming it), or a checkpoint that cannot be read
+        safely, is damaged, or belongs to another run (naming the file and
+        what is wrong; nothing is loaded then).
+    FloatingPointError
+        At the first step whose training loss (or, the loss being finite, its
+        gradient norm) is not finite, naming the step: the optimiser step is
+        not taken, so the model keeps the last finite parameters. Also when
+        an optimiser step turns a parameter non-finite (an overflowing
+        update). The checkpoint file keeps the last evaluation's state.
     """
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
     config.validate()
-    if not isinstance(train_data, TaskData) or not isinstance(val_data, TaskData):
-        raise ValueError("train_data and val_data must be TaskData")
+    _check_module(model)
+    for name, d in (("train_data", train_data), ("val_data", val_data)):
+        if not isinstance(d, TaskData):
+            raise ValueError(f"{name} must be a TaskData, got {type(d).__name__}")
+    hooks = tuple(hooks) if isinstance(hooks, (list, tuple)) else hooks
+    if not isinstance(hooks, tuple) or not all(callable(h) for h in hooks):
+        raise ValueError(f"hooks must be a list or tuple of callables hook(step, metrics), got {hooks!r}")
     device = torch.device(config.device)
     rank, world = _dist()
     if config.batch_size is not None and config.batch_size % world:
@@ -464,36 +314,33 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
     start_step, train_time, tokens_seen = 0, 0.0, 0
     loss_since, n_since = 0.0, 0  # training loss accumulated since the last evaluation
 
-    if config.resume and config.checkpoint_path and os.path.exists(config.checkpoint_path):
-        ck = torch.load(config.checkpoint_path, map_location=device, weights_only=False)
-        if ck.get("world_size", 1) != world:
-            raise ValueError(f"checkpoint was written with world size {ck.get('world_size')}, now {world}")
-        module.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["optimizer"])
-        sampler.set_state(ck["sampler"][rank])
-        torch.set_rng_state(ck["torch_rng"])
+    last_saved = None  # the step of the last checkpoint written or resumed from
+    if config.resume and os.path.exists(config.checkpoint_path):
+        # weights only (no code from the file runs); another run's file is refused before anything loads
+        ck = _checkpoint.resume(config.checkpoint_path, config=config, module=module, optimizer=opt,
+                                sampler=sampler, rank=rank, world_size=world, device=device)
         history, start_step = ck["history"], ck["step"]
         train_time, tokens_seen = ck["train_time_s"], ck["tokens_seen"]
         loss_since, n_since = ck["loss_since"], ck["n_since"]
+        last_saved = start_step
+
+    def params_finite() -> bool:
+        return math.isfinite(float(_total_norm([p.detach() for p in module.parameters()], math.inf)))
+
+    def overflowed(at: int) -> FloatingPointError:
+        return _checkpoint.diverged(at, "the optimiser step made a parameter non-finite", config.checkpoint_path,
+                                    last_saved, after_step=True)
 
     def save(step: int) -> None:
-        if not config.checkpoint_path:
-            return
-        states = [sampler.get_state()]
-        if world > 1:  # every rank's batch-order state, so resume is exact on all ranks
-            states = [torch.empty_like(states[0]) for _ in range(world)]
-            dist.all_gather_object(states, sampler.get_state())
-        if rank == 0:
-            os.makedirs(os.path.dirname(os.path.abspath(config.checkpoint_path)), exist_ok=True)
-            tmp = config.checkpoint_path + ".tmp"
-            torch.save({"model": module.state_dict(), "optimizer": opt.state_dict(), "sampler": states,
-                        "torch_rng": torch.get_rng_state(), "history": history, "step": step,
-                        "train_time_s": train_time, "tokens_seen": tokens_seen, "world_size": world,
-                        "loss_since": loss_since, "n_since": n_since,
-                        "config": asdict(config)}, tmp)
-            os.replace(tmp, config.checkpoint_path)
-        if world > 1:
-            dist.barrier()
+        nonlocal last_saved
+        if config.checkpoint_path and not params_finite():  # never overwrite the last good state with inf/NaN
+            raise overflowed(step)
+        if config.checkpoint_path:
+            _checkpoint.save(config.checkpoint_path, config=config, module=module, optimizer=opt, sampler=sampler,
+                             rank=rank, world_size=world,
+                             progress={"history": history, "step": step, "train_time_s": train_time,
+                                       "tokens_seen": tokens_seen, "loss_since": loss_since, "n_since": n_since})
+            last_saved = step
 
     def log_eval(step: int, loss_since: float, n_since: int) -> dict:
         m = evaluate(model, val_data, batch_size=config.eval_batch_size, device=device,
@@ -525,21 +372,36 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
             g["lr"] = g["peak_lr"] * factor
         b = shard if local_bs is None else shard[torch.randint(0, len(shard), (local_bs,), generator=sampler)]
         x, y, m = (train_data.x[b].to(device), train_data.y[b].to(device), train_data.mask[b].to(device))
-        loss = masked_cross_entropy(logits_of(model(x)), y, m)
+        try:
+            loss = masked_cross_entropy(logits_of(model(x)), y, m)
+        except Exception as exc:  # e.g. a metric's lam refused: was it the previous update that overflowed?
+            if not params_finite():
+                raise overflowed(step - 1) from exc
+            raise
+        loss_value = _all_sum([loss.item()], device)[0] / world  # the same on every rank
+        if not math.isfinite(loss_value):
+            if not params_finite():
+                raise overflowed(step - 1)
+            raise _checkpoint.diverged(step, f"the training loss is {loss_value}", config.checkpoint_path, last_saved)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if config.grad_clip is not None:
-            nn.utils.clip_grad_norm_(module.parameters(), config.grad_clip)
+        if config.grad_clip is not None:  # the norm comes for free
+            gnorm = nn.utils.clip_grad_norm_(module.parameters(), config.grad_clip)
+        else:
+            gnorm = _total_norm([p.grad for p in module.parameters() if p.grad is not None])
+        if not math.isfinite(float(gnorm)):  # the loss was finite, its gradient is not
+            raise _checkpoint.diverged(step, f"the gradient norm is {float(gnorm)} (loss {loss_value:.6g})",
+                                       config.checkpoint_path, last_saved)
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_time += time.perf_counter() - t0
         tokens_seen += x.numel() * world
-        loss_since += _all_sum([loss.item()], device)[0] / world
+        loss_since += loss_value
         n_since += 1
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(loss=f"{loss_value:.3f}")
         if step % config.eval_interval == 0 or step == config.steps:
             entry = log_eval(step, loss_since, n_since)
             loss_since, n_since = 0.0, 0

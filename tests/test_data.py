@@ -182,9 +182,9 @@ def test_make_task_draws_train_and_val_from_the_seed():
 
 def test_task_data_validates_and_subsets():
     x = torch.arange(12).view(3, 4)
-    d = rr.TaskData(x, x + 1, x > 5, 12, "t")
+    d = rr.TaskData(x, x + 1, x > 5, 13, "t")  # the scored targets reach 12: a vocabulary of 13
     s = d.subset(torch.tensor([2, 0]))
-    assert torch.equal(s.x, x[[2, 0]]) and torch.equal(s.y, x[[2, 0]] + 1) and s.vocab_size == 12
+    assert torch.equal(s.x, x[[2, 0]]) and torch.equal(s.y, x[[2, 0]] + 1) and s.vocab_size == 13
     with pytest.raises(ValueError, match="x must be an int64"):
         rr.TaskData(x.float(), x, x > 5, 12)
     with pytest.raises(ValueError, match="mask must have the shape of x"):

@@ -24,6 +24,14 @@ intrinsic rank as well).
 
 Every function takes a batch ``X`` of shape ``[..., n, D]`` and returns a
 tensor of shape ``[...]``; nothing is printed or plotted.
+
+Non-finite input is never read as collapse: a matrix of the batch with a NaN
+or infinite entry gets NaN from :func:`relative_residual`,
+:func:`stable_rank`, :func:`energy_effective_rank` and
+:func:`composite_residual_lower_bound` (the other matrices of the batch are
+unaffected), and :func:`composite_norm` propagates it (inf or NaN). Half
+precision (float16, bfloat16) is computed in float32 and returned in the
+input's dtype.
 """
 from __future__ import annotations
 
@@ -54,6 +62,26 @@ def _check_X(X, name: str = "X") -> Tensor:
     return X
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _upcast(X: Tensor) -> Tensor:
+    """Half precision computed in float32 (sums of squares overflow float16; CPU SVD has no half kernels)."""
+    return X.float() if X.dtype in _HALF else X
+
+
+def _nan_where_nonfinite(value: Tensor, X: Tensor, dtype: torch.dtype) -> Tensor:
+    """``value`` [...] with NaN for every matrix of ``X`` [..., n, D] holding a NaN or inf, in ``dtype``."""
+    ok = torch.isfinite(X).flatten(-2).all(-1)  # (...)
+    return torch.where(ok, value, torch.full_like(value, float("nan"))).to(dtype)
+
+
+def _finite_or_zero(X: Tensor) -> Tensor:
+    """``X`` with its non-finite matrices zeroed, so that an SVD of the batch does not fail on them."""
+    ok = torch.isfinite(X).flatten(-2).all(-1)  # (...)
+    return torch.where(ok[..., None, None], X, torch.zeros_like(X))
+
+
 def _check_choice(value, name: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
@@ -80,10 +108,11 @@ def composite_norm(X: Tensor) -> Tensor:
     all the rank-collapse bounds use.
     """
     X = _check_X(X)
-    A = X.abs()
+    dtype = X.dtype
+    A = _upcast(X).abs()
     col = A.sum(-2).amax(-1)  # ||X||_1            (...)
     row = A.sum(-1).amax(-1)  # ||X||_inf          (...)
-    return torch.sqrt(col * row)
+    return torch.sqrt(col * row).to(dtype)
 
 
 def _norm(R: Tensor, norm: str) -> Tensor:
@@ -113,10 +142,11 @@ def composite_residual_lower_bound(X: Tensor) -> Tensor:
         The bound, computed exactly from the column medians.
     """
     X = _check_X(X)
+    dtype, X = X.dtype, _upcast(X)
     n = X.shape[-2]
     med = X.median(dim=-2, keepdim=True).values  # (..., 1, D)
     m = (X - med).abs().sum(-2)  # per-column minimal absolute deviation   (..., D)
-    return torch.sqrt(m.amax(-1) * m.sum(-1) / n)
+    return _nan_where_nonfinite(torch.sqrt(m.amax(-1) * m.sum(-1) / n), X, dtype)
 
 
 def residual_center(X: Tensor, norm: str = "composite", center: str = "mean", *,
@@ -157,11 +187,12 @@ def residual_center(X: Tensor, norm: str = "composite", center: str = "mean", *,
     X = _check_X(X)
     _check_choice(norm, "norm", NORMS)
     _check_choice(center, "center", CENTERS)
-    if not isinstance(n_iter, int) or n_iter < 0:
+    if isinstance(n_iter, bool) or not isinstance(n_iter, int) or n_iter < 0:
         raise ValueError(f"n_iter must be an int >= 0, got {n_iter!r}")
+    dtype, X = X.dtype, _upcast(X)
     mean = X.mean(-2)  # (..., D)
     if center == "mean" or norm == "fro":
-        return mean
+        return mean.to(dtype)
     Xd = X.detach()
     med = Xd.median(dim=-2).values  # (..., D)
     f_mean = composite_norm(Xd - mean.detach().unsqueeze(-2))
@@ -187,7 +218,7 @@ def residual_center(X: Tensor, norm: str = "composite", center: str = "mean", *,
     with torch.no_grad():
         f = composite_norm(Xd - x.unsqueeze(-2))
         best = torch.where((f < best_f).unsqueeze(-1), x, best)
-    return best.detach()
+    return best.detach().to(dtype)
 
 
 def residual(X: Tensor, norm: str = "composite", center: str = "mean") -> Tensor:
@@ -227,15 +258,18 @@ def relative_residual(X: Tensor, norm: str = "composite", center: str = "mean") 
     -------
     Tensor, shape [...]
         In :math:`[0, \infty)`; zero exactly when all rows are equal (rank one
-        or zero). For ``X = 0`` the value is defined as 0.
+        or zero). For ``X = 0`` the value is defined as 0; a matrix with a
+        NaN or infinite entry gives NaN (not 0: that would read as collapse).
         Invariant under scaling ``X -> c X`` (``c != 0``).
     """
     X = _check_X(X)
     _check_choice(norm, "norm", NORMS)
+    dtype, X = X.dtype, _upcast(X)
     R = residual(X, norm, center)
     num = _norm(R, norm)
     den = _norm(X, norm)
-    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+    out = torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
+    return _nan_where_nonfinite(out, X, dtype)
 
 
 def stable_rank(X: Tensor) -> Tensor:
@@ -250,13 +284,16 @@ def stable_rank(X: Tensor) -> Tensor:
     -------
     Tensor, shape [...]
         Between 1 and :math:`\mathrm{rank}(X)`; equal to the rank when all
-        non-zero singular values are equal. Defined as 0 for ``X = 0``.
+        non-zero singular values are equal. Defined as 0 for ``X = 0``; NaN
+        for a matrix with a NaN or infinite entry.
     """
     X = _check_X(X)
-    s = torch.linalg.svdvals(X)  # (..., min(n, D)), descending
+    dtype, X = X.dtype, _upcast(X)
+    s = torch.linalg.svdvals(_finite_or_zero(X))  # (..., min(n, D)), descending
     s2 = s * s
     top = s2[..., 0]
-    return torch.where(top > 0, s2.sum(-1) / torch.where(top > 0, top, torch.ones_like(top)), torch.zeros_like(top))
+    out = torch.where(top > 0, s2.sum(-1) / torch.where(top > 0, top, torch.ones_like(top)), torch.zeros_like(top))
+    return _nan_where_nonfinite(out, X, dtype)
 
 
 def energy_effective_rank(X: Tensor) -> Tensor:
@@ -265,7 +302,8 @@ def energy_effective_rank(X: Tensor) -> Tensor:
     Parameters
     ----------
     X : Tensor, shape [..., n, D]
-        Any batch of real matrices (for ``X = 0`` the result is defined as 0).
+        Any batch of real matrices (for ``X = 0`` the result is defined as 0;
+        a matrix with a NaN or infinite entry gives NaN).
 
     Returns
     -------
@@ -281,13 +319,14 @@ def energy_effective_rank(X: Tensor) -> Tensor:
     with equal non-zero singular values.
     """
     X = _check_X(X)
-    s = torch.linalg.svdvals(X)  # (..., min(n, D))
+    dtype, X = X.dtype, _upcast(X)
+    s = torch.linalg.svdvals(_finite_or_zero(X))  # (..., min(n, D))
     s2 = s * s
     tot = s2.sum(-1, keepdim=True)  # (..., 1)
     p = s2 / torch.where(tot > 0, tot, torch.ones_like(tot))
     plogp = torch.where(p > 0, p * torch.log(torch.where(p > 0, p, torch.ones_like(p))), torch.zeros_like(p))
     H = -plogp.sum(-1)
-    return torch.where(tot.squeeze(-1) > 0, torch.exp(H), torch.zeros_like(H))
+    return _nan_where_nonfinite(torch.where(tot.squeeze(-1) > 0, torch.exp(H), torch.zeros_like(H)), X, dtype)
 
 
 def attention_path_products(weights: Tensor, heads: Tensor | None = None) -> Tensor:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_tensor, shape_str
+from .._checks import check_choice, check_int, check_number, check_tensor, shape_str
 from .collapse import energy_effective_rank
 
 __all__ = [
@@ -78,7 +78,7 @@ def teacher_kernel(d: int, r_star: int, *, spectrum: str = "flat", scale: float 
         ``"flat"``: all nonzero singular values equal ``scale``;
         ``"decaying"``: :math:`\sigma_k = \text{scale}\cdot 2^{-(k-1)/2}`.
     scale : float
-        Size of the largest singular value.
+        Size of the largest singular value, finite and > 0.
     generator : torch.Generator, optional
         CPU generator for the random orthonormal frames.
 
@@ -86,12 +86,11 @@ def teacher_kernel(d: int, r_star: int, *, spectrum: str = "flat", scale: float 
     -------
     Tensor, shape [d, d]
     """
-    if not isinstance(d, int) or d <= 0:
-        raise ValueError(f"d must be a positive int, got {d!r}")
-    if not isinstance(r_star, int) or not 0 <= r_star <= d:
+    check_int(d, "d", 1)
+    if isinstance(r_star, bool) or not isinstance(r_star, int) or not 0 <= r_star <= d:
         raise ValueError(f"r_star must be an int in [0, d] = [0, {d}], got {r_star!r}")
-    if spectrum not in ("flat", "decaying"):
-        raise ValueError(f"spectrum must be 'flat' or 'decaying', got {spectrum!r}")
+    check_choice(spectrum, "spectrum", ("flat", "decaying"))
+    check_number(scale, "scale", low=0.0, low_open=True)
     P, _ = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=dtype))
     Q, _ = torch.linalg.qr(torch.randn(d, d, generator=generator, dtype=dtype))
     k = torch.arange(r_star, dtype=dtype)

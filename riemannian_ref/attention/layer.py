@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_tensor, shape_str
+from .._checks import check_bool, check_choice, check_int, check_number, check_tensor, shape_str
 from ..geometry.metric import LAM_MIN, MetricNet, raw_from_lam
 from ..geometry.scores import METRIC_SIDES, riemannian_scores
 from .connections import CONNECTIONS, connection_attention, rotary_frequencies
@@ -44,27 +44,8 @@ METRICS = ("token", "shared")
 QK_INITS = ("normal", "orthonormal")
 
 
-def _pos_int(v, name: str, minimum: int = 1) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
-
-
-def _number(v, name: str, *, low: float | None = None, low_open: bool = False, high: float | None = None,
-            high_open: bool = False) -> None:
-    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-    if ok and low is not None:
-        ok = v > low if low_open else v >= low
-    if ok and high is not None:
-        ok = v < high if high_open else v <= high
-    if not ok:
-        lo = "" if low is None else f"{'(' if low_open else '['}{low:g}, "
-        hi = "inf)" if high is None else f"{high:g}{')' if high_open else ']'}"
-        raise ValueError(f"{name} must be a finite number in {lo or '(-inf, '}{hi}, got {v!r}")
-
-
-def _choice(v, name: str, choices: tuple) -> None:
-    if v not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {v!r}")
+# the package's validators under the names the models import (errors name the field and the range)
+_pos_int, _number, _choice = check_int, check_number, check_choice
 
 
 @dataclass(frozen=True)
@@ -198,8 +179,7 @@ class AttentionConfig:
         if self.qk_init == "orthonormal" and self.qk_dim > min(self.d_model, self.kv_width):
             raise ValueError(f"orthonormal frames need head_dim <= d_model, got head_dim {self.qk_dim}")
         for name in ("cross_attention", "learn_temperature", "transport_values", "causal", "bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(getattr(self, name), name)
 
     @property
     def qk_dim(self) -> int:
@@ -415,6 +395,17 @@ class RiemannianAttention(nn.Module):
                                  f"got {shape_str(context)}")
         elif cfg.cross_attention:
             raise ValueError("this module is configured for cross-attention: pass context")
+        w = self.w_q
+        mixed = torch.is_autocast_enabled(x.device.type)  # autocast casts per op: other dtypes are expected
+        for name, t in (("x", x), ("context", context)):
+            if t is not None and ((t.dtype != w.dtype and not mixed) or t.device != w.device):
+                raise ValueError(f"{name} has dtype {t.dtype} on {t.device} but the module's parameters are "
+                                 f"{w.dtype} on {w.device}; convert one of them (module.to(...))")
+        if is_causal is not None:
+            check_bool(is_causal, "is_causal")
+        check_bool(return_weights, "return_weights")
+        if positions is not None and not isinstance(positions, Tensor):
+            raise ValueError(f"positions must be a tensor [n] or [B, 1, n] or None, got {type(positions).__name__}")
         is_causal = cfg.causal if is_causal is None else is_causal
         B, n_q, _ = x.shape
         n_k = n_q if context is None else context.shape[1]
@@ -440,6 +431,13 @@ def _scale_factor(U: Tensor | None, s: Tensor) -> Tensor | None:
 
 def _combine_masks(attn_mask: Tensor | None, key_mask: Tensor | None, B: int, n_k: int) -> Tensor | None:
     """``attn_mask`` and a per-key ``key_mask`` [B, n_k] as one mask; the key mask stays [B, 1, 1, n_k]."""
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor) or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+            got = f"{attn_mask.dtype} tensor" if isinstance(attn_mask, Tensor) else type(attn_mask).__name__
+            raise ValueError(f"attn_mask must be a bool (True = may attend) or float (additive) tensor, got {got}")
+        if attn_mask.dim() > 4 or (attn_mask.dim() and attn_mask.shape[-1] not in (n_k, 1)):
+            raise ValueError(f"attn_mask must broadcast to [B, h, n_q, n_k] with n_k = {n_k}, got "
+                             f"{shape_str(attn_mask)}")
     if key_mask is None:
         return attn_mask
     if not isinstance(key_mask, Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (B, n_k):

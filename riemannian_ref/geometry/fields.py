@@ -86,9 +86,9 @@ class MetricField:
             raise ValueError(f"weights must be one of {_WEIGHTS}, got {weights!r}")
         if weights == "segment" and K != 2:
             raise ValueError(f"weights='segment' needs exactly K = 2 anchors, got anchors {shape_str(anchors)}")
-        if not (isinstance(bandwidth, (int, float)) and math.isfinite(bandwidth) and bandwidth > 0):
+        if isinstance(bandwidth, bool) or not (isinstance(bandwidth, (int, float)) and math.isfinite(bandwidth) and bandwidth > 0):
             raise ValueError(f"bandwidth must be a finite float > 0, got {bandwidth!r}")
-        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        if isinstance(eps, bool) or not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
             raise ValueError(f"eps must be a finite float > 0, got {eps!r}")
         if weights == "segment" and torch.equal(anchors[0], anchors[1]):
             raise ValueError("weights='segment' needs two distinct anchors, got anchors[0] == anchors[1]")

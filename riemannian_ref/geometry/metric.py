@@ -18,7 +18,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .._checks import as_positive, broadcast_batch, check_same, check_tensor, shape_str
+from .._checks import as_positive, broadcast_batch, check_bool, check_same, check_tensor, shape_str
 
 __all__ = ["LowRankMetric", "MetricNet", "LAM_MIN", "lam_from_raw", "raw_from_lam"]
 
@@ -26,6 +26,8 @@ __all__ = ["LowRankMetric", "MetricNet", "LAM_MIN", "lam_from_raw", "raw_from_la
 #: :math:`\lambda = \mathrm{softplus}(\rho) + \lambda_{\min}` the metric
 #: :math:`G = \lambda I + U U^\top` is uniformly positive definite.
 LAM_MIN = 1e-3
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def lam_from_raw(rho: Tensor, lam_min: float = LAM_MIN) -> Tensor:
@@ -51,7 +53,9 @@ def raw_from_lam(lam_init: float, lam_min: float = LAM_MIN, *, name: str = "lam_
     Parameters
     ----------
     lam_init : float
-        The wanted :math:`\lambda`, finite and above ``lam_min``.
+        The wanted :math:`\lambda`, finite, above ``lam_min`` and at most the
+        largest float32 (about 3.4e38), so that :math:`\rho` fits the
+        parameter it initialises.
     lam_min : float
         The floor, finite and :math:`> 0`.
     name : str
@@ -64,8 +68,8 @@ def raw_from_lam(lam_init: float, lam_min: float = LAM_MIN, *, name: str = "lam_
     Raises
     ------
     ValueError
-        Naming ``name`` if ``lam_init`` is not a finite number above
-        ``lam_min`` or ``lam_min`` is not a finite positive number.
+        Naming ``name`` if ``lam_init`` is not a finite number in
+        ``(lam_min, 3.4e38]`` or ``lam_min`` is not a finite positive number.
     """
     for nm, val in (("lam_min", lam_min), (name, lam_init)):
         if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val):
@@ -74,6 +78,8 @@ def raw_from_lam(lam_init: float, lam_min: float = LAM_MIN, *, name: str = "lam_
         raise ValueError(f"lam_min must be > 0, got {lam_min!r}")
     if not lam_init > lam_min:
         raise ValueError(f"{name} must be > lam_min = {lam_min:g} (the floor of lambda), got {lam_init!r}")
+    if lam_init > _F32_MAX:  # rho ~ lam_init would overflow a float32 parameter
+        raise ValueError(f"{name} must be at most {_F32_MAX:.4g} (its raw parameter is a float32), got {lam_init!r}")
     x = float(lam_init) - float(lam_min)
     # log(expm1(x)) = x + log(1 - exp(-x)): no overflow for large x
     return x + math.log(-math.expm1(-x))
@@ -98,7 +104,13 @@ class LowRankMetric:
     Internally both forms are written :math:`G = D + U U^\top` with
     :math:`D` diagonal, and the :math:`r\times r` *capacitance* matrix
     :math:`C = I_r + U^\top D^{-1} U` (SPD, eigenvalues :math:`\ge 1`) is
-    Cholesky-factored once, lazily. Then
+    Cholesky-factored once, lazily, and cached. The cache remembers the
+    tensors ``U``, ``lam`` / ``delta`` and their version counters: changing
+    one of them in place (``U.add_(...)``, ``U[0] = ...``) or assigning a new
+    tensor to the attribute refactors at the next use, so answers are never
+    stale. (Inference-mode tensors have no version counter: for them nothing
+    is cached.) The positivity of ``lam`` / ``delta`` is checked at
+    construction only. Then
 
     .. math::
         G^{-1} w = D^{-1} w - D^{-1} U C^{-1} U^\top D^{-1} w,
@@ -134,6 +146,7 @@ class LowRankMetric:
             self.lam = None
             self.delta = delta
         self._chol: Tensor | None = None
+        self._chol_key: tuple | None = None  # what the cached factor was computed from
 
     # ------------------------------------------------------------------ shapes
     @property
@@ -173,9 +186,22 @@ class LowRankMetric:
         eye = torch.eye(self.r, dtype=U.dtype, device=U.device)
         return C + eye
 
+    def _cache_key(self) -> tuple | None:
+        """The tensors the factorisation reads, with their version counters (None: cannot tell, do not cache)."""
+        ts = (self.U, self.lam, self.delta)
+        try:
+            return tuple((t, t._version) for t in ts if t is not None)
+        except RuntimeError:  # inference tensors carry no version counter
+            return None
+
     def _cholesky(self) -> Tensor:
-        if self._chol is None:
+        key = self._cache_key()
+        old = self._chol_key
+        fresh = (self._chol is not None and key is not None and old is not None and len(key) == len(old)
+                 and all(a is b and va == vb for (a, va), (b, vb) in zip(key, old)))
+        if not fresh:
             self._chol = torch.linalg.cholesky(self.capacitance())  # (..., r, r)
+            self._chol_key = key
         return self._chol
 
     def _check_vec(self, v: Tensor, name: str) -> Tensor:
@@ -345,6 +371,8 @@ class MetricNet(nn.Module):
         if isinstance(strength, bool) or not isinstance(strength, (int, float)) \
                 or not (math.isfinite(strength) and strength >= 0):
             raise ValueError(f"strength must be a finite number >= 0, got {strength!r}")
+        check_bool(shared, "shared")
+        check_bool(diagonal, "diagonal")
         if diagonal and shared:
             raise ValueError("diagonal=True needs per-token metrics (shared=False)")
         rho = raw_from_lam(lam_init, lam_min)

@@ -96,6 +96,9 @@ def numerical_rank(S: Tensor, rtol: float | None = None) -> int | Tensor:
         rtol = max(n, m) * torch.finfo(S.dtype).eps
     elif isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not 0 <= rtol < 1:
         raise ValueError(f"rtol must be a float in [0, 1) or None, got {rtol!r}")
+    if not bool(torch.isfinite(S).all()):
+        raise ValueError(f"S must be finite (a rank of NaN/inf entries is undefined), got "
+                         f"{int((~torch.isfinite(S)).sum())} non-finite entries")
     if n == 0 or m == 0:
         ranks = torch.zeros(S.shape[:-2], dtype=torch.long, device=S.device)
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._checks import check_bool, check_int as _pos_int
 from .config import FiberBundleConfig
 from .transformer import FiberBundleTransformer
 
@@ -39,6 +40,11 @@ def _component(name: str) -> str:
     return "norms"
 
 
+def _check_config(config) -> None:
+    if not isinstance(config, FiberBundleConfig):
+        raise ValueError(f"config must be a FiberBundleConfig, got {type(config).__name__}")
+
+
 def count_parameters(model_or_config) -> dict[str, int]:
     """Parameter counts by component, and ``"total"`` (tied weights counted once).
 
@@ -64,7 +70,8 @@ def count_parameters(model_or_config) -> dict[str, int]:
     elif isinstance(model_or_config, nn.Module):
         model = model_or_config
     else:
-        raise ValueError(f"expected a FiberBundleTransformer or FiberBundleConfig, got {type(model_or_config).__name__}")
+        raise ValueError(f"model_or_config must be a FiberBundleTransformer (or any nn.Module) or a "
+                         f"FiberBundleConfig, got {type(model_or_config).__name__}")
     counts = dict.fromkeys(_COMPONENTS, 0)
     for name, p in model.named_parameters():  # shared parameters appear once
         counts[_component(name)] += p.numel()
@@ -106,6 +113,12 @@ def match_width(config: FiberBundleConfig, target: int, *, exclude_embedding: bo
     ValueError
         If no candidate width gives a valid config.
     """
+    _check_config(config)
+    _pos_int(target, "target")
+    check_bool(exclude_embedding, "exclude_embedding")
+    if widths is not None and not (isinstance(widths, (range, list, tuple))
+                                   and all(isinstance(w, int) and not isinstance(w, bool) for w in widths)):
+        raise ValueError(f"widths must be a range or sequence of ints, got {widths!r}")
     step = 2 * config.n_heads
     if widths is None:
         widths = range(step, 4 * config.d_model + step, step)
@@ -148,6 +161,9 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
         ``"connection"``, ``"ffn"``, ``"ffn_metric"``, ``"head"`` (0 for
         components the mode does not have) and ``"total"``.
     """
+    _check_config(config)
+    if seq_len is not None:
+        _pos_int(seq_len, "seq_len")
     cfg = config
     n = cfg.block_size if seq_len is None else seq_len
     D, L, V, h, d = cfg.d_model, cfg.n_layers, cfg.out_dim or 0, cfg.n_heads, cfg.qk_dim

@@ -15,8 +15,9 @@ import math
 from dataclasses import dataclass
 
 from ..attention.connections import CONNECTIONS
-from ..attention.layer import AttentionConfig, _choice, _number, _pos_int
-from ..geometry.metric import raw_from_lam
+from .._checks import check_bool, check_choice as _choice, check_int as _pos_int, check_number as _number
+from ..attention.layer import AttentionConfig
+from ..geometry.metric import _F32_MAX, raw_from_lam
 from ..geometry.scores import METRIC_SIDES
 
 __all__ = ["MODES", "FiberBundleConfig"]
@@ -176,13 +177,18 @@ class FiberBundleConfig:
         _choice(self.activation, "activation", ACTIVATIONS)
         for name in ("shared_metric", "learn_temperature", "transport_values", "skip", "mlp", "layer_norm",
                      "causal", "bias", "tie_weights"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(getattr(self, name), name)
         for name in ("precondition_ffn", "learned_positions"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
         raw_from_lam(self.lam_init)
-        _number(self.eta_init, "eta_init")
+        _number(self.eta_init, "eta_init", low=-_F32_MAX, high=_F32_MAX)  # a float32 parameter
+        # the fields handed to AttentionConfig under other names are checked here, under their own
+        _number(self.metric_strength, "metric_strength", low=0.0)
+        _number(self.rotary_base, "rotary_base", low=1.0, low_open=True)
+        _number(self.content_rate_std, "content_rate_std", low=0.0)
+        _number(self.dropout, "dropout", low=0.0, high=1.0, high_open=True)
+        _number(self.qk_gain, "qk_gain", low=0.0, low_open=True)
         if self.n_classes is not None:
             _pos_int(self.n_classes, "n_classes")
             if self.tie_weights:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .._checks import check_tensor, shape_str
-from ..attention.layer import AttentionConfig, RiemannianAttention, _choice, _pos_int
+from .._checks import check_choice as _choice, check_int as _pos_int, check_tensor, shape_str
+from ..attention.layer import AttentionConfig, RiemannianAttention
 
 __all__ = ["RecallHead"]
 

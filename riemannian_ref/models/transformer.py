@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._checks import check_tensor, shape_str
-from ..attention.layer import RiemannianAttention, _number, _pos_int
+from .._checks import check_bool, check_int as _pos_int, check_number as _number, check_tensor, shape_str
+from ..attention.layer import RiemannianAttention
 from ..geometry.metric import LowRankMetric, MetricNet
 from .config import FiberBundleConfig
 
@@ -254,6 +254,10 @@ class FiberBundleTransformer(nn.Module):
         FiberBundleOutput
             ``(logits, loss, hidden, weights, diagnostics)``, None for what was not asked.
         """
+        for name, flag in (("return_hidden", return_hidden), ("return_weights", return_weights),
+                           ("return_diagnostics", return_diagnostics)):
+            check_bool(flag, name)
+        _pos_int(diagnostic_samples, "diagnostic_samples")
         x = self._embed(idx, embeds)
         hidden, weights = [x], []
         for blk in self.blocks:
@@ -264,8 +268,7 @@ class FiberBundleTransformer(nn.Module):
         if self.lm_head is not None:
             logits = self.lm_head(self.ln_f(x))  # (B, n, out_dim)
             if targets is not None:
-                if targets.shape != logits.shape[:2]:
-                    raise ValueError(f"targets must have shape {shape_str(logits.shape[:2])}, got {shape_str(targets)}")
+                self._check_targets(targets, logits.shape[:2])
                 loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
         elif targets is not None:
             raise ValueError("targets given, but this model has no head (vocab_size=None)")
@@ -273,6 +276,15 @@ class FiberBundleTransformer(nn.Module):
         diag = self._diagnostics(H, diagnostic_samples) if return_diagnostics else None
         return FiberBundleOutput(logits, loss, H if return_hidden else None,
                                  torch.stack(weights) if return_weights else None, diag)
+
+    def _check_targets(self, targets, shape) -> None:
+        K = self.config.out_dim
+        if not isinstance(targets, Tensor) or targets.dtype != torch.int64 or targets.shape != shape:
+            got = f"{targets.dtype} {shape_str(targets)}" if isinstance(targets, Tensor) else type(targets).__name__
+            raise ValueError(f"targets must have shape {shape_str(shape)} and dtype int64, got {got}")
+        if targets.numel() and (int(targets.min()) < -1 or int(targets.max()) >= K):
+            raise ValueError(f"targets must hold ids in [0, {K}) or -1 (ignored), got values in "
+                             f"[{int(targets.min())}, {int(targets.max())}]")
 
     @torch.no_grad()
     def _diagnostics(self, H: Tensor, n_samples: int) -> dict:
@@ -341,6 +353,11 @@ class FiberBundleTransformer(nn.Module):
         """
         if self.lm_head is None or self.config.n_classes is not None:
             raise ValueError("generate needs a language model (vocab_size set, n_classes None)")
+        if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.shape[1] == 0:
+            got = shape_str(idx) if isinstance(idx, Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be a prompt of token ids [B, n] with n >= 1, got {got}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         _pos_int(max_new_tokens, "max_new_tokens", 0)
         _number(temperature, "temperature", low=0.0)
         if top_k is not None:
@@ -396,6 +413,8 @@ class FiberBundleTransformer(nn.Module):
             Naming the file, if it is not a saved model, its config is not
             valid, differs from ``config``, or the weights do not match it.
         """
+        if not isinstance(path, (str, os.PathLike)):
+            raise ValueError(f"path must be a str or path-like naming a file written by save, got {type(path).__name__}")
         try:
             blob = torch.load(path, map_location=map_location, weights_only=True)
         except Exception as exc:  # a damaged, foreign or unsafe file

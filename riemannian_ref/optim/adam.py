@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .._checks import check_number
 from .low_rank import FactoredLowRank, FixedRankEmbedded, FixedRankPoint, FixedRankTangent
 from .manifolds import Stiefel, sym
 
@@ -45,16 +46,21 @@ __all__ = ["StiefelAdam", "LowRankAdam"]
 
 def _check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                    trust_radius: float | None) -> None:
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    if trust_radius is not None and not trust_radius > 0.0:
-        raise ValueError(f"trust_radius must be > 0 or None, got {trust_radius}")
+    check_number(lr, "lr", low=0.0)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+    for i, b in enumerate(betas):
+        check_number(b, f"betas[{i}]", low=0.0, high=1.0, high_open=True)
+    check_number(eps, "eps", low=0.0)
+    check_number(weight_decay, "weight_decay", low=0.0)
+    if trust_radius is not None:
+        check_number(trust_radius, "trust_radius", low=0.0, low_open=True)
+
+
+def _safe_div(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den`` where ``den > 0``, else 0: a zero second moment (``eps = 0`` and a zero gradient
+    so far) means a zero first moment, and the step is zero, not 0/0."""
+    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
 def _adamw_(p: Tensor, grad: Tensor, state: dict, group: dict) -> None:
@@ -72,7 +78,7 @@ def _adamw_(p: Tensor, grad: Tensor, state: dict, group: dict) -> None:
     m.mul_(b1).add_(grad, alpha=1.0 - b1)
     v.mul_(b2).addcmul_(grad, grad, value=1.0 - b2)
     denom = (v / (1.0 - b2 ** t)).sqrt_().add_(eps)
-    p.addcdiv_(m, denom, value=-lr / (1.0 - b1 ** t))
+    p.add_(_safe_div(m, denom), alpha=-lr / (1.0 - b1 ** t))
 
 
 def _cap(step: Tensor, norm2: Tensor, radius: float | None) -> Tensor:
@@ -95,14 +101,47 @@ class _AdamBase(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Perform one optimisation step; returns the closure's loss if given."""
+        """Perform one optimisation step; returns the closure's loss if given.
+
+        Every gradient (and, for :class:`LowRankAdam`, every factor pair) is
+        checked before any parameter or state changes: a non-finite gradient
+        or a rank-deficient pair raises and leaves the parameters and the
+        optimiser's state exactly as they were.
+
+        Raises
+        ------
+        FloatingPointError
+            If a gradient has a NaN or infinite entry (naming the parameter's
+            group, index and shape).
+        ValueError
+            For a sparse gradient, or (:class:`LowRankAdam`) a factor pair whose
+            product has rank below ``r``.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grads = [(gi, i, p) for gi, group in enumerate(self.param_groups)
+                 for i, p in enumerate(group["params"]) if p.grad is not None]
+        for gi, i, p in grads:
+            if p.grad.is_sparse:
+                raise ValueError(f"{type(self).__name__} does not support sparse gradients (group {gi}, "
+                                 f"parameter {i})")
+        if grads and not bool(torch.stack([torch.isfinite(p.grad).all() for _, _, p in grads]).all()):
+            gi, i, p = next(x for x in grads if not torch.isfinite(x[2].grad).all())
+            n_bad = int((~torch.isfinite(p.grad)).sum())
+            raise FloatingPointError(
+                f"{type(self).__name__}.step: the gradient of parameter {i} of group {gi} (shape "
+                f"{list(p.shape)}) has {n_bad} non-finite entries; no parameter and no state was changed "
+                f"(skip this step, or find where the NaN/inf comes from)")
+        for group in self.param_groups:
+            self._precheck(group)
         for group in self.param_groups:
             self._group_step(group)
         return loss
+
+    def _precheck(self, group: dict) -> None:
+        """Raise before anything changes if this group cannot be stepped."""
 
     def _group_step(self, group: dict) -> None:
         raise NotImplementedError
@@ -125,7 +164,9 @@ class StiefelAdam(_AdamBase):
         Decay of the first and second moments (default (0.9, 0.999)).
     eps : float
         Added to the root of the second moment (default 1e-8). With
-        ``eps = 0`` the frame update is exactly invariant to the gradient's scale.
+        ``eps = 0`` the frame update is exactly invariant to the gradient's
+        scale; a frame whose gradients have all been zero then takes a zero
+        step (not 0/0).
     weight_decay : float
         Decoupled weight decay (AdamW) on ordinary groups; on frames its
         Riemannian gradient :math:`\\mathrm{proj}_W(W) = 0`, so it has no effect
@@ -140,10 +181,12 @@ class StiefelAdam(_AdamBase):
     frame). ``state_dict``/``load_state_dict`` are torch's.
     """
 
+    # stateless geometry, on the class: torch's Optimizer pickles (and deep-copies) only its state and groups
+    manifold = Stiefel()
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, trust_radius: float | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, trust_radius, stiefel=False)
-        self.manifold = Stiefel()
         for group in self.param_groups:
             if group["stiefel"]:
                 for p in group["params"]:
@@ -157,8 +200,6 @@ class StiefelAdam(_AdamBase):
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if p.grad.is_sparse:
-                raise ValueError("StiefelAdam does not support sparse gradients")
             if group["stiefel"]:
                 self._stiefel_step(p, p.grad, self.state[p], group)
             else:
@@ -179,7 +220,7 @@ class StiefelAdam(_AdamBase):
         m.mul_(b1).add_(xi, alpha=1.0 - b1)
         v.mul_(b2).add_(xi.square().sum(dim=(-1, -2)), alpha=1.0 - b2)  # one scalar per frame
         denom = (v / (1.0 - b2 ** t)).sqrt().add(eps)  # (...)
-        step = -(lr / (1.0 - b1 ** t)) * m / denom[..., None, None]
+        step = -(lr / (1.0 - b1 ** t)) * _safe_div(m, denom[..., None, None])
         step = _cap(step, step.square().sum(dim=(-1, -2)), group["trust_radius"])
         W_new = self.manifold.retr(W, step)
         W.copy_(W_new)
@@ -195,8 +236,11 @@ class LowRankAdam(_AdamBase):
         Param groups. A group with ``geometry`` in ``{"embedded", "factored"}``
         holds an even number of tensors ``[A_1, B_1, A_2, B_2, ...]`` with
         ``A_i`` of shape ``[..., m, r]`` and ``B_i`` of shape ``[..., n, r]``
-        (each leading index one matrix, e.g. one head's ``W_Q, W_K``). Groups
-        with ``geometry=None`` get AdamW.
+        (each leading index one matrix, e.g. one head's ``W_Q, W_K``). Both
+        factors must be finite and of full column rank (``W`` of rank exactly
+        ``r``), at construction and at every step, else ``ValueError``; a zero
+        factor, as LoRA's ``B = 0`` initialisation, is not a point of the
+        manifold. Groups with ``geometry=None`` get AdamW.
     lr, betas, eps, weight_decay, trust_radius
         As in :class:`StiefelAdam`. Weight decay is applied to the factor
         pairs as a Euclidean decay of ``W`` projected onto the tangent space
@@ -217,12 +261,13 @@ class LowRankAdam(_AdamBase):
     """
 
     GEOMETRIES = ("embedded", "factored")
+    # stateless geometries, on the class: torch's Optimizer pickles (and deep-copies) only its state and groups
+    fixed_rank = FixedRankEmbedded()
+    factored = FactoredLowRank(balance=True)
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, trust_radius: float | None = None):
         super().__init__(params, lr, betas, eps, weight_decay, trust_radius, geometry=None)
-        self.fixed_rank = FixedRankEmbedded()
-        self.factored = FactoredLowRank(balance=True)
         for group in self.param_groups:
             geo = group["geometry"]
             if geo is None:
@@ -233,8 +278,34 @@ class LowRankAdam(_AdamBase):
             if len(ps) % 2:
                 raise ValueError(f"a geometry={geo!r} group needs pairs [A, B, ...], got {len(ps)} tensors")
             for A, B in zip(ps[0::2], ps[1::2]):
-                if A.shape[:-2] != B.shape[:-2] or A.shape[-1] != B.shape[-1]:
-                    raise ValueError(f"pair A {tuple(A.shape)}, B {tuple(B.shape)} must agree in batch and rank")
+                if A.dim() < 2 or B.dim() < 2 or A.shape[:-2] != B.shape[:-2] or A.shape[-1] != B.shape[-1]:
+                    raise ValueError(f"pair A {tuple(A.shape)}, B {tuple(B.shape)} must be [..., m, r] and "
+                                     "[..., n, r], agreeing in batch and rank")
+            self._precheck(group)
+
+    def _precheck(self, group: dict) -> None:
+        """Every factor pair must be a point of the rank-r manifold: A and B finite, of full column rank."""
+        if group["geometry"] is None:
+            return
+        ps = group["params"]
+        for j, (A, B) in enumerate(zip(ps[0::2], ps[1::2])):
+            for name, F in (("A", A), ("B", B)):
+                Fd = F.detach()
+                why = None
+                if not bool(torch.isfinite(Fd).all()):
+                    why = "has non-finite entries"
+                elif Fd.shape[-1]:
+                    s = torch.linalg.svdvals(Fd)  # (..., r), descending
+                    tol = max(Fd.shape[-2:]) * torch.finfo(Fd.dtype).eps * s[..., 0]
+                    if bool((s[..., -1] <= tol).any()):
+                        why = (f"has rank below r = {Fd.shape[-1]} (smallest singular value "
+                               f"{float(s[..., -1].min()):.3g})")
+                if why is not None:
+                    raise ValueError(
+                        f"LowRankAdam: factor {name} of pair {j} (A {list(A.shape)}, B {list(B.shape)}) {why}, so "
+                        "W = A B^T is not a point of the rank-r manifold; nothing was changed. A zero factor "
+                        "(e.g. LoRA's B = 0 at init) is not allowed: initialise both factors with full column "
+                        "rank (small random values)")
 
     def _group_step(self, group: dict) -> None:
         if group["geometry"] is None:
@@ -271,7 +342,7 @@ class LowRankAdam(_AdamBase):
             m.mul_(b1).add_(x, alpha=1.0 - b1)
         state["exp_avg_sq"].mul_(b2).add_(norm2, alpha=1.0 - b2)
         denom = (state["exp_avg_sq"] / (1.0 - b2 ** t)).sqrt().add(group["eps"])
-        scale = -(group["lr"] / (1.0 - b1 ** t)) / denom  # (...)
+        scale = -(group["lr"] / (1.0 - b1 ** t)) * _safe_div(torch.ones_like(denom), denom)  # (...)
         return [m * scale[..., None, None] for m in state["exp_avg"]]
 
     def _embedded_step(self, A, B, gA, gB, state, group):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_same, check_tensor, shape_str
+from .._checks import check_number, check_same, check_tensor, shape_str
 
 __all__ = ["sym", "polar", "Stiefel", "PartialIsometry"]
 
@@ -60,6 +60,8 @@ def polar(x: Tensor) -> Tensor:
     check_tensor(x, "x", min_dim=2)
     if x.shape[-2] < x.shape[-1]:
         raise ValueError(f"x must have shape [..., n, p] with n >= p, got {shape_str(x)}")
+    if not bool(torch.isfinite(x).all()):  # the SVD would fail with a LinAlgError
+        raise ValueError(f"x must be finite, got {int((~torch.isfinite(x)).sum())} NaN/inf entries")
     U, _, Vh = torch.linalg.svd(x, full_matrices=False)  # (..., n, p), (..., p, p)
     return U @ Vh
 
@@ -109,6 +111,8 @@ class Stiefel:
     ndim = 2
 
     def __init__(self, atol: float | None = None):
+        if atol is not None:
+            check_number(atol, "atol", low=0.0, low_open=True)
         self.atol = atol
 
     # -- projections ------------------------------------------------------
@@ -233,8 +237,9 @@ class Stiefel:
         """
         if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
             shape = tuple(shape[0])
-        if len(shape) < 2 or shape[-2] < shape[-1]:
-            raise ValueError(f"shape must be (..., n, p) with n >= p, got {tuple(shape)}")
+        if len(shape) < 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in shape) \
+                or shape[-2] < shape[-1]:
+            raise ValueError(f"shape must be ints (..., n, p) >= 0 with n >= p, got {tuple(shape)}")
         z = torch.randn(*shape, generator=generator, dtype=dtype)
         return polar(z).to(device) if device is not None else polar(z)
 
