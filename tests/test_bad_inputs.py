@@ -633,9 +633,7 @@ _NAN, _INF = float("nan"), float("inf")
 #: Known gaps in modules other work owns (the connection diagnostics and the transported attention):
 #: index tensors and rates of another type or shape fail inside torch. Listed so the sweep stays a net
 #: for everything else; remove an entry when its module validates the argument.
-_KNOWN_GAPS = {("holonomy_defect", "triangles"), ("torsion_defect", "triangles"),
-               ("metric_compatibility_defect", "pairs"), ("metric_compatibility_defect", "rates"),
-               ("connection_attention", "rates")}
+_KNOWN_GAPS: set = set()  # (name, argument) pairs allowed to fail otherwise: none left
 
 
 def _bad_values(v):
@@ -724,7 +722,7 @@ def _sweep_targets():
         ("attention_path_products", rr.attention_path_products, dict(weights=torch.softmax(T(3, 2, 2, 5, 5), -1),
                                                                      heads=torch.zeros(3, dtype=torch.long))),
         ("holonomy_defect", rr.holonomy_defect, dict(rates=rates, triangles=tri)),
-        ("torsion_defect", rr.torsion_defect, dict(x=T(2, 6, 4), rates=rates, triangles=tri)),
+        ("transport_closure_defect", rr.transport_closure_defect, dict(x=T(2, 6, 4), rates=rates, triangles=tri)),
         ("metric_compatibility_defect", rr.metric_compatibility_defect, dict(lam=1.0, U=0.3 * T(2, 6, 4, 2),
                                                                              rates=rates, pairs=pairs)),
         ("teacher_kernel", rr.teacher_kernel, dict(d=4, r_star=2, spectrum="flat", scale=1.0)),

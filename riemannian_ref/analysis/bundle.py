@@ -261,6 +261,13 @@ def metric_compatibility_defect(lam, U: Tensor, rates: Tensor, pairs: Tensor,
     if rates.shape[-2] != n or 2 * rates.shape[-1] != d:
         raise ValueError(f"rates must have shape [..., n, d/2] = [..., {n}, {d // 2}] to match U {shape_str(U)}, "
                          f"got {shape_str(rates)}")
+    try:
+        ok = torch.broadcast_shapes(rates.shape[:-2], U.shape[:-3]) == U.shape[:-3]
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"rates batch dims {shape_str(rates.shape[:-2])} must broadcast to U's "
+                         f"{shape_str(U.shape[:-3])} without adding dimensions")
     lam_t = as_positive(lam, "lam", U)
     broadcast_batch({"lam": lam_t.shape, "U.shape[:-2]": U.shape[:-2]})
     lam_tok = lam_t.expand(torch.broadcast_shapes(lam_t.shape, U.shape[:-2]))  # per token   (..., n)

@@ -409,6 +409,8 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         raise ValueError(f"transport_values must be a bool, got {transport_values!r}")
     check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
                            metric_side if scores == "metric" else "key")
+    if rates is not None:
+        check_tensor(rates, "rates", min_dim=1)
     check_same(query, "query", [("rates", rates)])
     n, d = query.shape[-2], query.shape[-1]
     if connection == "trivial":
