@@ -408,10 +408,11 @@ def collapse_bound(attn, center: Tensor, radius: float, *, n: int | None = None)
     shared, per-token with or without bias, any side): :math:`M_h` is head
     :math:`h`'s value-then-output map and :math:`\kappa_h \varepsilon^2`
     bounds the :math:`i`-:math:`j` coupling of its scores,
-    :math:`\kappa_h = \sigma\|\bar G_h\| q_h k_h + \beta_h` (:math:`\sigma =
-    1/\sqrt d`, :math:`q_h, k_h` the spectral norms of the query and key
-    frames, :math:`\bar G_h` the metric at ``center``, :math:`\beta_h` the
-    metric-variation term of the theorem). For a metric field over positions
+    :math:`\kappa_h = \sigma\|W_Q^h \bar G_h W_K^{h\top}\| + \beta_h`
+    (:math:`\sigma = 1/\sqrt d`, :math:`\bar G_h` the metric at ``center``,
+    :math:`I` for dot products, :math:`\beta_h` the metric-variation term of
+    the theorem, zero for a metric that does not depend on the state); all
+    norms are spectral. For a metric field over positions
     (``metric="position"``) the coupling is first order,
     :math:`|e_{ij}| \le \kappa_{1,h}\varepsilon + \kappa_{2,h}\varepsilon^2`,
     and the bound is quadratic: :math:`p = 2`,
@@ -451,7 +452,7 @@ def collapse_bound(attn, center: Tensor, radius: float, *, n: int | None = None)
     Q, K, M = Q.to(dt), K.to(dt), M.to(dt)
     q, k, m = _spec(Q), _spec(K), _spec(M)  # (h,) each
     if cfg.scores == "dot":
-        kappa = sigma * q * k  # e_ij = sigma (Q^T r_i) . (K^T r_j)
+        kappa = sigma * _spec(Q @ K.transpose(-1, -2))  # e_ij = sigma r_i^T Q K^T r_j
         return 3, (4 * m * kappa * torch.exp(2 * kappa * eps ** 2)).sum()
     net = attn.metric
     h, d, r = cfg.n_heads, cfg.qk_dim, cfg.rank
@@ -464,15 +465,15 @@ def collapse_bound(attn, center: Tensor, radius: float, *, n: int | None = None)
             raise ValueError(f"n must be an int in [1, {net.n_positions}] for metric='position', got {n!r}")
         U = net.U_pos[:n].to(dt).transpose(0, 1) * t.sqrt().view(h, 1, 1, 1)  # (h, n, d, r)
         G = lam.view(h, 1, 1, 1) * torch.eye(d, dtype=dt) + U @ U.transpose(-1, -2)  # (h, n, d, d)
-        g = _spec(G).amax(-1)  # max_p |G_p|
+        g = _spec(Q.unsqueeze(1) @ G @ K.transpose(-1, -2).unsqueeze(1)).amax(-1)  # max_p |Q G_p K^T|
         phi = _spec(G - G.mean(1, keepdim=True)).amax(-1)  # max_p |G_p - G_ref|, G_ref the mean
         if side == "key":
-            k1, k2 = sigma * phi * c * q, sigma * g * q * k + sigma / 2 * phi * q ** 2
+            k1, k2 = sigma * phi * c * q, sigma * g + sigma / 2 * phi * q ** 2
         elif side == "query":
-            k1, k2 = sigma * phi * c * k, sigma * g * q * k + sigma / 2 * phi * k ** 2
+            k1, k2 = sigma * phi * c * k, sigma * g + sigma / 2 * phi * k ** 2
         else:
             k1 = sigma * phi * c * (q + k) / 2
-            k2 = sigma * g * q * k + sigma / 4 * phi * (q ** 2 + k ** 2)
+            k2 = sigma * g + sigma / 4 * phi * (q ** 2 + k ** 2)
         eta = k1 * eps + k2 * eps ** 2
         return 2, (4 * m * (k1 + k2 * eps) * torch.exp(2 * eta)).sum()
     if cfg.metric == "shared" or r == 0:
@@ -485,11 +486,12 @@ def collapse_bound(attn, center: Tensor, radius: float, *, n: int | None = None)
         L_U = _spec(W) * t.sqrt()  # Lipschitz constant of x -> U_h(x), Frobenius to 2-norm
     u = _spec(Ubar)
     L_G = L_U * (2 * u + L_U * eps)  # |G(x) - G(xbar)| <= L_G |x - xbar| on the ball
-    Gnorm = lam + u ** 2
+    Gbar = lam.view(h, 1, 1) * torch.eye(d, dtype=dt) + Ubar @ Ubar.transpose(-1, -2)  # (h, d, d)
+    QGK = _spec(Q @ Gbar @ K.transpose(-1, -2))  # (h,)
     beta_key = sigma / 2 * L_G * q * (2 * c + 2 * k * eps + q * eps)
     beta_query = sigma / 2 * L_G * k * (2 * c + 2 * q * eps + k * eps)
     beta = {"key": beta_key, "query": beta_query, "mean": (beta_key + beta_query) / 2}[side]
-    kappa = sigma * Gnorm * q * k + beta
+    kappa = sigma * QGK + beta
     return 3, (4 * m * kappa * torch.exp(2 * kappa * eps ** 2)).sum()
 
 
