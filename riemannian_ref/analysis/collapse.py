@@ -35,6 +35,8 @@ input's dtype.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -49,6 +51,12 @@ __all__ = [
     "stable_rank",
     "energy_effective_rank",
     "attention_path_products",
+    "token_radius",
+    "collapse_bound",
+    "collapse_map",
+    "collapse_depth",
+    "attention_entropy",
+    "linear_probe_accuracy",
 ]
 
 NORMS = ("composite", "fro")
@@ -370,3 +378,317 @@ def attention_path_products(weights: Tensor, heads: Tensor | None = None) -> Ten
         P = A[l] if P is None else A[l] @ P
         out.append(P)
     return torch.stack(out)  # (L, B, n, n)
+
+
+# ---------------------------------------------------------------------------
+# The one-layer collapse map near identical rows (chapter 9 of the book)
+
+
+def token_radius(X: Tensor) -> Tensor:
+    r"""The largest distance of a token from the mean token, :math:`\rho(X) = \max_i |x_i - \bar x|_2`.
+
+    The residual of the collapse theorem of chapter 9: with
+    :math:`X = \mathbf 1 \bar x^\top + R`, :math:`\rho(X)` is the largest row
+    norm of :math:`R`. It is within a factor :math:`\sqrt{nD}` of any other
+    norm of :math:`R`, so the exponent of a power law in it does not depend
+    on the choice.
+
+    Parameters
+    ----------
+    X : Tensor, shape [..., n, D]
+        A batch of sequences of token states (rows are tokens).
+
+    Returns
+    -------
+    Tensor, shape [...]
+        :math:`\rho` of every sequence of the batch: 0 for identical rows, and
+        unchanged by adding one row vector to every token.
+    """
+    X = _check_X(X)
+    return (X - X.mean(-2, keepdim=True)).norm(dim=-1).amax(-1)
+
+
+def _attention_parts(attn):
+    """Per head: the frames Q_h, K_h [D, d], the value-output maps M_h [D, D], and the scale."""
+    from ..attention.layer import RiemannianAttention
+
+    if not isinstance(attn, RiemannianAttention):
+        raise ValueError(f"attn must be a RiemannianAttention, got {type(attn).__name__}")
+    cfg = attn.config
+    if cfg.cross_attention:
+        raise ValueError("attn must be a self-attention module (cross_attention=False)")
+    if cfg.connection != "trivial":
+        raise ValueError(f"the collapse bound covers connection='trivial' only (a transport does not vanish "
+                         f"with the residual), got connection={cfg.connection!r}")
+    h, dv = cfg.n_heads, cfg.v_dim
+    V = attn.v_proj.weight.view(h, dv, -1)  # (h, dv, D)
+    O = attn.out_proj.weight.view(-1, h, dv).transpose(0, 1)  # (h, D, dv)
+    M = O @ V  # value then output map of each head, acting on column vectors   (h, D, D)
+    return attn.w_q, attn.w_k, M, 1.0 / math.sqrt(cfg.qk_dim)
+
+
+def _spec(A: Tensor) -> Tensor:
+    return torch.linalg.matrix_norm(A, ord=2)
+
+
+@torch.no_grad()
+def collapse_bound(attn, center: Tensor, radius: float, *, n: int | None = None) -> tuple[int, Tensor]:
+    r"""The one-layer bound :math:`\rho(Y) \le C\,\rho(X)^p` of chapter 9 for one attention layer.
+
+    For states :math:`X = \mathbf 1 \bar x^\top + R` with mean row
+    :math:`\bar x` = ``center`` and :math:`\rho(X) \le \varepsilon` =
+    ``radius`` (:func:`token_radius`), the output :math:`Y` of ``attn``
+    satisfies :math:`\rho(Y) \le C \rho(X)^p` with
+
+    .. math::
+        C = \sum_h 4\,\|M_h\|_2\,\kappa_h\, e^{2\kappa_h \varepsilon^2},\qquad p = 3,
+
+    when the metrics are computed from the token states (Euclidean, distance,
+    shared, per-token with or without bias, any side): :math:`M_h` is head
+    :math:`h`'s value-then-output map and :math:`\kappa_h \varepsilon^2`
+    bounds the :math:`i`-:math:`j` coupling of its scores,
+    :math:`\kappa_h = \sigma\|W_Q^h \bar G_h W_K^{h\top}\| + \beta_h`
+    (:math:`\sigma = 1/\sqrt d`, :math:`\bar G_h` the metric at ``center``,
+    :math:`I` for dot products, :math:`\beta_h` the metric-variation term of
+    the theorem, zero for a metric that does not depend on the state); all
+    norms are spectral. For a metric field over positions
+    (``metric="position"``) the coupling is first order,
+    :math:`|e_{ij}| \le \kappa_{1,h}\varepsilon + \kappa_{2,h}\varepsilon^2`,
+    and the bound is quadratic: :math:`p = 2`,
+    :math:`C = \sum_h 4\|M_h\|(\kappa_{1,h} + \kappa_{2,h}\varepsilon)\,
+    e^{2(\kappa_{1,h}\varepsilon + \kappa_{2,h}\varepsilon^2)}`.
+
+    Parameters
+    ----------
+    attn : RiemannianAttention
+        A self-attention module with the trivial connection (no mask is
+        assumed).
+    center : Tensor, shape [D]
+        The mean token :math:`\bar x`.
+    radius : float
+        :math:`\varepsilon \ge \rho(X)`; the bound holds for every input with
+        this mean and at most this radius.
+    n : int, optional
+        Sequence length; needed only for ``metric="position"`` (the
+        positions ``0..n-1`` whose metrics enter the constant).
+
+    Returns
+    -------
+    p : int
+        3, or 2 for a metric field over positions.
+    C : Tensor, shape []
+        The constant, in ``center``'s dtype.
+    """
+    Q, K, M, sigma = _attention_parts(attn)
+    cfg = attn.config
+    center = check_tensor(center, "center", min_dim=1)
+    if center.shape != (cfg.d_model,):
+        raise ValueError(f"center must have shape [{cfg.d_model}], got {shape_str(center)}")
+    if isinstance(radius, bool) or not isinstance(radius, (int, float)) or not (radius >= 0 and math.isfinite(radius)):
+        raise ValueError(f"radius must be a finite number >= 0, got {radius!r}")
+    eps = float(radius)
+    dt = center.dtype
+    Q, K, M = Q.to(dt), K.to(dt), M.to(dt)
+    q, k, m = _spec(Q), _spec(K), _spec(M)  # (h,) each
+    if cfg.scores == "dot":
+        kappa = sigma * _spec(Q @ K.transpose(-1, -2))  # e_ij = sigma r_i^T Q K^T r_j
+        return 3, (4 * m * kappa * torch.exp(2 * kappa * eps ** 2)).sum()
+    net = attn.metric
+    h, d, r = cfg.n_heads, cfg.qk_dim, cfg.rank
+    t = attn.log_temp.exp().to(dt) if attn.log_temp is not None else torch.ones(h, dtype=dt)
+    lam = net.lam().to(dt) * t  # (h,)
+    c = torch.einsum("hDd,D->hd", Q - K, center).norm(dim=-1)  # |(Q - K)^T xbar|   (h,)
+    side = cfg.metric_side
+    if cfg.metric == "position":
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= net.n_positions:
+            raise ValueError(f"n must be an int in [1, {net.n_positions}] for metric='position', got {n!r}")
+        U = net.U_pos[:n].to(dt).transpose(0, 1) * t.sqrt().view(h, 1, 1, 1)  # (h, n, d, r)
+        G = lam.view(h, 1, 1, 1) * torch.eye(d, dtype=dt) + U @ U.transpose(-1, -2)  # (h, n, d, d)
+        g = _spec(Q.unsqueeze(1) @ G @ K.transpose(-1, -2).unsqueeze(1)).amax(-1)  # max_p |Q G_p K^T|
+        phi = _spec(G - G.mean(1, keepdim=True)).amax(-1)  # max_p |G_p - G_ref|, G_ref the mean
+        if side == "key":
+            k1, k2 = sigma * phi * c * q, sigma * g + sigma / 2 * phi * q ** 2
+        elif side == "query":
+            k1, k2 = sigma * phi * c * k, sigma * g + sigma / 2 * phi * k ** 2
+        else:
+            k1 = sigma * phi * c * (q + k) / 2
+            k2 = sigma * g + sigma / 4 * phi * (q ** 2 + k ** 2)
+        eta = k1 * eps + k2 * eps ** 2
+        return 2, (4 * m * (k1 + k2 * eps) * torch.exp(2 * eta)).sum()
+    if cfg.metric == "shared" or r == 0:
+        U = net.U.to(dt) if net.U is not None else torch.zeros(h, d, 0, dtype=dt)  # (h, d, r)
+        Ubar, L_U = U * t.sqrt().view(h, 1, 1), torch.zeros(h, dtype=dt)
+    else:
+        W = net.proj.weight.to(dt).view(h, d * r, -1)  # (h, d r, D)
+        b = net.proj.bias.to(dt).view(h, d * r) if net.proj.bias is not None else torch.zeros(h, d * r, dtype=dt)
+        Ubar = ((W @ center) + b).view(h, d, r) * t.sqrt().view(h, 1, 1)  # U(xbar)   (h, d, r)
+        L_U = _spec(W) * t.sqrt()  # Lipschitz constant of x -> U_h(x), Frobenius to 2-norm
+    u = _spec(Ubar)
+    L_G = L_U * (2 * u + L_U * eps)  # |G(x) - G(xbar)| <= L_G |x - xbar| on the ball
+    Gbar = lam.view(h, 1, 1) * torch.eye(d, dtype=dt) + Ubar @ Ubar.transpose(-1, -2)  # (h, d, d)
+    QGK = _spec(Q @ Gbar @ K.transpose(-1, -2))  # (h,)
+    beta_key = sigma / 2 * L_G * q * (2 * c + 2 * k * eps + q * eps)
+    beta_query = sigma / 2 * L_G * k * (2 * c + 2 * q * eps + k * eps)
+    beta = {"key": beta_key, "query": beta_query, "mean": (beta_key + beta_query) / 2}[side]
+    kappa = sigma * QGK + beta
+    return 3, (4 * m * kappa * torch.exp(2 * kappa * eps ** 2)).sum()
+
+
+@torch.no_grad()
+def collapse_map(attn, center: Tensor, direction: Tensor, eps: Tensor) -> tuple[Tensor, Tensor]:
+    r"""One attention layer applied to :math:`X(\varepsilon) = \mathbf 1 \bar x^\top + \varepsilon R`.
+
+    Parameters
+    ----------
+    attn : torch.nn.Module
+        Self-attention: ``attn(X)`` returns ``(Y, weights)`` for ``X`` [B, n, D]
+        (a :class:`~riemannian_ref.attention.layer.RiemannianAttention`).
+    center : Tensor, shape [D]
+        The mean token :math:`\bar x`.
+    direction : Tensor, shape [n, D]
+        The residual direction :math:`R`; it is centred (its mean row
+        removed) and scaled to :math:`\rho(R) = 1`.
+    eps : Tensor, shape [k]
+        The radii :math:`\varepsilon`.
+
+    Returns
+    -------
+    rho_in, rho_out : Tensor, shape [k]
+        :func:`token_radius` of each input (equal to ``eps`` up to rounding)
+        and of its output.
+    """
+    center = check_tensor(center, "center", min_dim=1)
+    direction = check_tensor(direction, "direction", min_dim=2)
+    eps = check_tensor(eps, "eps", min_dim=1)
+    if center.dim() != 1 or direction.dim() != 2 or direction.shape[-1] != center.shape[0] or eps.dim() != 1:
+        raise ValueError(f"center must be [D], direction [n, D] and eps [k], got {shape_str(center)}, "
+                         f"{shape_str(direction)} and {shape_str(eps)}")
+    R = direction - direction.mean(0, keepdim=True)
+    scale = token_radius(R)
+    if not scale > 0:
+        raise ValueError("direction must have rows that are not all equal")
+    X = center + eps.view(-1, 1, 1) * (R / scale)  # (k, n, D)
+    Y = attn(X)[0]
+    return token_radius(X), token_radius(Y)
+
+
+def collapse_depth(log10_res, level: float = -6.0) -> Tensor:
+    r"""The depth at which a residual curve first crosses ``level``, interpolated between layers.
+
+    With :math:`u_l` the :math:`\log_{10}` residual at depth :math:`l` and
+    :math:`l` the first depth with :math:`u_l < ` ``level``, the crossing is
+    :math:`l - 1 + (u_{l-1} - \text{level})/(u_{l-1} - u_l)`: a continuous
+    collapse depth, so that paired differences between seeds are not
+    integers.
+
+    Parameters
+    ----------
+    log10_res : Tensor or array, shape [..., L + 1]
+        :math:`\log_{10}` residuals at depths ``0..L``.
+    level : float
+        The threshold (default :math:`-6`, a relative residual of
+        :math:`10^{-6}`).
+
+    Returns
+    -------
+    Tensor, shape [...], float64
+        The interpolated depth; ``inf`` where the curve never crosses, 0 where
+        it starts below ``level``.
+    """
+    u = torch.as_tensor(log10_res, dtype=torch.float64)
+    if u.dim() < 1 or u.shape[-1] < 1:
+        raise ValueError(f"log10_res must have shape [..., L + 1] with L + 1 >= 1, got {shape_str(u)}")
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not math.isfinite(level):
+        raise ValueError(f"level must be a finite number, got {level!r}")
+    below = u < level
+    hit = below.any(-1)
+    l = below.to(torch.int64).argmax(-1)  # first depth below level            (...)
+    prev = u.gather(-1, (l - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    cur = u.gather(-1, l.unsqueeze(-1)).squeeze(-1)
+    frac = (prev - level) / torch.where(prev > cur, prev - cur, torch.ones_like(cur))
+    depth = torch.where(l > 0, (l - 1).to(u.dtype) + frac, torch.zeros_like(frac))
+    return torch.where(hit, depth, torch.full_like(depth, math.inf))
+
+
+def attention_entropy(weights: Tensor) -> Tensor:
+    r"""The entropy :math:`-\sum_j A_{ij}\log A_{ij}` of every attention row, in nats.
+
+    Parameters
+    ----------
+    weights : Tensor, shape [..., n_q, n_k]
+        Rows that are probability vectors, e.g. the weights that
+        :class:`~riemannian_ref.attention.layer.RiemannianAttention` returns
+        with ``return_weights=True``.
+
+    Returns
+    -------
+    Tensor, shape [..., n_q]
+        Between 0 (one key) and :math:`\log n_k` (uniform attention).
+    """
+    A = check_tensor(weights, "weights", min_dim=1)
+    plogp = torch.where(A > 0, A * torch.log(torch.where(A > 0, A, torch.ones_like(A))), torch.zeros_like(A))
+    return -plogp.sum(-1)
+
+
+@torch.no_grad()
+def linear_probe_accuracy(train_x: Tensor, train_y: Tensor, test_x: Tensor, test_y: Tensor, *,
+                          rel_tol: float = 1e-6, ridge: float = 1e-3) -> float:
+    r"""Test accuracy of a linear read-out of labels from features, at a stated precision.
+
+    The features are centred; only principal directions whose amplitude
+    (singular value over :math:`\sqrt N`) exceeds ``rel_tol`` times the
+    root-mean-square norm of the *uncentred* features are kept, whitened,
+    and mapped to one-hot labels by ridge regression; the prediction is the
+    arg max. So a signal smaller than ``rel_tol`` of the states themselves
+    (for example a residual that has collapsed below float32 resolution)
+    carries no information for this probe, however cleanly it would
+    separate the classes in exact arithmetic.
+
+    Parameters
+    ----------
+    train_x, test_x : Tensor, shape [N, F] and [N', F]
+        Features (e.g. hidden states of a deep layer, one row per token).
+    train_y, test_y : Tensor of int, shape [N] and [N']
+        Labels in ``0..K-1``.
+    rel_tol : float
+        Relative amplitude below which a direction is discarded.
+    ridge : float
+        Ridge penalty on the whitened features (unit variance per direction).
+
+    Returns
+    -------
+    float
+        The fraction of ``test_y`` predicted correctly.
+    """
+    for name, x in (("train_x", train_x), ("test_x", test_x)):
+        check_tensor(x, name, min_dim=2)
+        if x.dim() != 2:
+            raise ValueError(f"{name} must have shape [N, F], got {shape_str(x)}")
+    for name, y, x in (("train_y", train_y, train_x), ("test_y", test_y, test_x)):
+        if not isinstance(y, Tensor) or y.dtype != torch.long or y.shape != x.shape[:1]:
+            raise ValueError(f"{name} must be a long tensor of shape [{x.shape[0]}], got "
+                             f"{shape_str(y) if isinstance(y, Tensor) else type(y).__name__}")
+    if test_x.shape[1] != train_x.shape[1]:
+        raise ValueError(f"test_x must have {train_x.shape[1]} features like train_x, got {shape_str(test_x)}")
+    for name, v in (("rel_tol", rel_tol), ("ridge", ridge)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    X, Xt = train_x.double(), test_x.double()
+    N = X.shape[0]
+    mu = X.mean(0)
+    scale = X.pow(2).sum(-1).mean().sqrt()  # rms norm of the uncentred features
+    _, S, Vh = torch.linalg.svd(X - mu, full_matrices=False)
+    keep = S / math.sqrt(N) > rel_tol * scale
+    n_cls = int(max(train_y.max(), test_y.max())) + 1
+    if not keep.any():
+        Z, Zt = X.new_zeros(N, 0), X.new_zeros(Xt.shape[0], 0)
+    else:
+        P = Vh[keep].T / (S[keep] / math.sqrt(N))  # project and whiten      (F, k)
+        Z, Zt = (X - mu) @ P, (Xt - mu) @ P
+    Z1 = torch.cat([Z, torch.ones(N, 1, dtype=Z.dtype)], 1)  # with an intercept
+    Y = torch.nn.functional.one_hot(train_y, n_cls).to(Z.dtype)
+    reg = ridge * N * torch.eye(Z1.shape[1], dtype=Z.dtype)
+    reg[-1, -1] = 0.0  # no penalty on the intercept
+    B = torch.linalg.solve(Z1.T @ Z1 + reg, Z1.T @ Y)
+    pred = (torch.cat([Zt, torch.ones(Zt.shape[0], 1, dtype=Z.dtype)], 1) @ B).argmax(-1)
+    return float((pred == test_y).double().mean())

@@ -40,7 +40,7 @@ CONTENT_CONNECTIONS = ("content", "content_source")  # connections with learned 
 __all__ = ["AttentionConfig", "RiemannianAttention"]
 
 SCORES = ("metric", "dot")
-METRICS = ("token", "shared")
+METRICS = ("token", "shared", "position")
 QK_INITS = ("normal", "orthonormal")
 
 
@@ -70,9 +70,17 @@ class AttentionConfig:
         a query's metric then needs its own metric network.
     scores : {"metric", "dot"}, default "metric"
         Riemannian distance scores or scaled dot products.
-    metric : {"token", "shared"}, default "token"
-        Per-token metrics computed from the states, or one learned metric
-        per head (``scores="metric"`` only).
+    metric : {"token", "shared", "position"}, default "token"
+        Per-token metrics computed from the states, one learned metric
+        per head, or a metric field over positions (one learned metric per
+        position and head, :math:`G_p`, whatever the token there; self-attention
+        only) (``scores="metric"`` only).
+    metric_bias : bool, default False
+        ``metric="token"``: an affine metric network :math:`U_i = W x_i + b`
+        (:class:`~riemannian_ref.geometry.metric.MetricNet` ``bias``).
+    max_positions : int, default 1024
+        ``metric="position"``: the number of positions the metric field covers
+        (the longest sequence).
     metric_side : {"key", "query", "mean"}, default "key"
         Whose metric measures a pair.
     rank : int, default 2
@@ -123,7 +131,9 @@ class AttentionConfig:
     kv_dim: int | None = None        # width of the key/value states (None: d_model)
     cross_attention: bool = False    # forward(x, context): queries and keys from different sequences
     scores: str = "metric"           # "metric" (Riemannian distance) or "dot" (scaled dot product)
-    metric: str = "token"            # "token" (per-token, from the states) or "shared" (one per head)
+    metric: str = "token"            # "token" (from the states), "shared" (one per head), "position" (per position)
+    metric_bias: bool = False        # metric="token": affine metric network U_i = W x_i + b
+    max_positions: int = 1024        # metric="position": positions the metric field covers
     metric_side: str = "key"         # "key" | "query" | "mean": whose metric measures a pair
     rank: int = 2                    # r; 0 gives G = lam I
     strength: float = 1.0            # heterogeneity of the metrics at init
@@ -157,6 +167,13 @@ class AttentionConfig:
         _choice(self.connection, "connection", CONNECTIONS)
         _choice(self.qk_init, "qk_init", QK_INITS)
         _pos_int(self.rank, "rank", 0)
+        _pos_int(self.max_positions, "max_positions")
+        if self.metric == "position" and self.cross_attention:
+            raise ValueError("metric='position' indexes the metric by the position of a token in its own "
+                             "sequence: it needs cross_attention=False")
+        if self.metric_bias and self.metric != "token":
+            raise ValueError(f"metric_bias=True needs metric='token' (metrics computed from the states), "
+                             f"got metric={self.metric!r}")
         _number(self.strength, "strength", low=0.0)
         raw_from_lam(self.lam_init, self.lam_min)  # lam_init > lam_min > 0, finite
         _number(self.rotary_base, "rotary_base", low=1.0, low_open=True)
@@ -178,7 +195,7 @@ class AttentionConfig:
                                  f"{self.qk_dim} (or transport_values=False)")
         if self.qk_init == "orthonormal" and self.qk_dim > min(self.d_model, self.kv_width):
             raise ValueError(f"orthonormal frames need head_dim <= d_model, got head_dim {self.qk_dim}")
-        for name in ("cross_attention", "learn_temperature", "transport_values", "causal", "bias"):
+        for name in ("cross_attention", "learn_temperature", "transport_values", "causal", "bias", "metric_bias"):
             check_bool(getattr(self, name), name)
 
     @property
@@ -231,7 +248,8 @@ class RiemannianAttention(nn.Module):
         self.metric = self.metric_q = None
         if cfg.scores == "metric":
             kw = dict(lam_init=cfg.lam_init, lam_min=cfg.lam_min, strength=cfg.strength,
-                      shared=cfg.metric == "shared")
+                      shared=cfg.metric == "shared", bias=cfg.metric_bias,
+                      n_positions=cfg.max_positions if cfg.metric == "position" else None)
             # One metric field: a token's metric is the same whether it queries or is queried.
             # In cross-attention the two sides are different states: one network per side used.
             if not cfg.cross_attention or cfg.metric_side in ("key", "mean"):

@@ -357,11 +357,30 @@ class MetricNet(nn.Module):
     diagonal : bool
         Also learn a per-token diagonal (:meth:`delta`) for the
         diagonal-plus-low-rank form :math:`G = \mathrm{diag}(\delta) + U U^\top`.
+    bias : bool
+        An affine network, :math:`U_i = W x_i + b`, with :math:`b` (one per
+        head) drawn at init with the variance of a shared factor, so that the
+        metric has a part that does not depend on the state. It is still
+        Lipschitz in the state with the constant of :math:`W`.
+    n_positions : int or None
+        A metric field over positions instead of a network: one learned factor
+        per position and head, :math:`U_p` (a parameter ``[n_positions, h, d, r]``,
+        entries of the shared factor's variance); the token at position
+        :math:`p` (``0..n-1``) gets :math:`U_p` whatever its state.
+
+    Notes
+    -----
+    Rank collapse (chapter 9 of the book): a metric computed by a Lipschitz
+    network from the state (``shared``, or per token with or without ``bias``)
+    differs between two tokens by at most a constant times their distance,
+    so it homogenises when the tokens do; a metric indexed by position
+    (``n_positions``) does not.
     """
 
     def __init__(self, d_model: int, n_heads: int, head_dim: int, rank: int, *,
                  lam_init: float = 1.0, lam_min: float = LAM_MIN, strength: float = 1.0,
-                 shared: bool = False, diagonal: bool = False):
+                 shared: bool = False, diagonal: bool = False, bias: bool = False,
+                 n_positions: int | None = None):
         super().__init__()
         for name, val in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim)):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
@@ -375,17 +394,30 @@ class MetricNet(nn.Module):
         check_bool(diagonal, "diagonal")
         if diagonal and shared:
             raise ValueError("diagonal=True needs per-token metrics (shared=False)")
+        if n_positions is not None:
+            if isinstance(n_positions, bool) or not isinstance(n_positions, int) or n_positions <= 0:
+                raise ValueError(f"n_positions must be a positive int or None, got {n_positions!r}")
+            if shared or diagonal:
+                raise ValueError("n_positions (a metric per position) excludes shared=True and diagonal=True")
+        if bias and (shared or n_positions is not None):
+            raise ValueError("bias=True needs metrics computed from the states (shared=False, n_positions=None)")
         rho = raw_from_lam(lam_init, lam_min)
         self.d_model, self.n_heads, self.head_dim, self.rank = d_model, n_heads, head_dim, rank
         self.lam_min, self.shared, self.diagonal = lam_min, shared, diagonal
+        self.n_positions = n_positions
         h, d, r = n_heads, head_dim, rank
         self.rho = nn.Parameter(torch.full((h,), rho))
-        self.proj = self.U = None
+        self.proj = self.U = self.U_pos = None
+        std_shared = strength / math.sqrt(max(r, 1))  # entries of a factor not computed from the state
         if shared:
-            self.U = nn.Parameter(torch.randn(h, d, r) * (strength / math.sqrt(max(r, 1))))  # (h, d, r)
+            self.U = nn.Parameter(torch.randn(h, d, r) * std_shared)  # (h, d, r)
+        elif n_positions is not None:
+            self.U_pos = nn.Parameter(torch.randn(n_positions, h, d, r) * std_shared)  # (P, h, d, r)
         elif r > 0:
-            self.proj = nn.Linear(d_model, h * d * r, bias=False)
+            self.proj = nn.Linear(d_model, h * d * r, bias=bias)
             nn.init.normal_(self.proj.weight, std=strength / math.sqrt(d_model * r))
+            if bias:
+                nn.init.normal_(self.proj.bias, std=std_shared)
         self.diag_proj = None
         if diagonal:
             self.diag_proj = nn.Linear(d_model, h * d)
@@ -414,13 +446,20 @@ class MetricNet(nn.Module):
         lam : Tensor, shape [h]
             Broadcasts against the ``[B, h]`` batch of queries and keys.
         U : Tensor, shape [B, h, n, d, r], or [1, h, d, r] when ``shared``
-            (a shared factor broadcasts against the batch of queries and keys).
+            (a shared factor broadcasts against the batch of queries and keys),
+            or [1, h, n, d, r] with ``n_positions`` (the factors of positions
+            ``0..n-1``, the same for every sequence).
         """
         x = self._check_x(x)
         B, n, _ = x.shape
         h, d, r = self.n_heads, self.head_dim, self.rank
         if self.shared:
             U = self.U.to(x.dtype).unsqueeze(0)  # (1, h, d, r)
+        elif self.U_pos is not None:
+            if n > self.n_positions:
+                raise ValueError(f"x has n = {n} tokens but the metric field covers n_positions = "
+                                 f"{self.n_positions} positions")
+            U = self.U_pos[:n].to(x.dtype).transpose(0, 1).unsqueeze(0)  # (1, h, n, d, r)
         elif self.proj is None:
             U = x.new_zeros(B, h, n, d, 0)
         else:

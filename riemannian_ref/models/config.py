@@ -63,6 +63,13 @@ class FiberBundleConfig:
         Heterogeneity of the metrics at init (0: :math:`U = 0` at init).
     shared_metric : bool, default False
         One learned metric per head and layer instead of per-token metrics.
+    position_metric : bool, default False
+        A metric field over positions: one learned metric per position, head
+        and layer (``block_size`` positions), whatever the token there, instead
+        of metrics computed from the states.
+    metric_bias : bool, default False
+        Per-token metrics from an affine network :math:`U_i = W x_i + b`
+        (a bias drawn at init with the variance of a shared factor).
     lam_init : float, default 1.0
         Initial :math:`\lambda` of every metric, above the floor
         :data:`~riemannian_ref.geometry.metric.LAM_MIN`.
@@ -133,6 +140,8 @@ class FiberBundleConfig:
     metric_rank: int = 2                 # r of each head metric G = lam I + U U^T (0: G = lam I)
     metric_strength: float = 1.0         # heterogeneity of the metrics at init
     shared_metric: bool = False          # one learned metric per head instead of per-token metrics
+    position_metric: bool = False        # one learned metric per position instead of per-token metrics
+    metric_bias: bool = False            # per-token metrics from an affine network U_i = W x_i + b
     lam_init: float = 1.0                # initial isotropic part lam of every metric
     learn_temperature: bool = False      # learned per-head factor on 1/tau
     connection: str | None = None        # None: "content" in fiber_bundle mode, else "trivial"
@@ -175,13 +184,16 @@ class FiberBundleConfig:
             _choice(self.connection, "connection", CONNECTIONS)
         _choice(self.init, "init", INITS)
         _choice(self.activation, "activation", ACTIVATIONS)
-        for name in ("shared_metric", "learn_temperature", "transport_values", "skip", "mlp", "layer_norm",
-                     "causal", "bias", "tie_weights"):
+        for name in ("shared_metric", "position_metric", "metric_bias", "learn_temperature", "transport_values",
+                     "skip", "mlp", "layer_norm", "causal", "bias", "tie_weights"):
             check_bool(getattr(self, name), name)
         for name in ("precondition_ffn", "learned_positions"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
         raw_from_lam(self.lam_init)
+        if self.shared_metric and self.position_metric:
+            raise ValueError("shared_metric and position_metric are exclusive: one metric per head, or one "
+                             "per position")
         _number(self.eta_init, "eta_init", low=-_F32_MAX, high=_F32_MAX)  # a float32 parameter
         # the fields handed to AttentionConfig under other names are checked here, under their own
         _number(self.metric_strength, "metric_strength", low=0.0)
@@ -322,7 +334,8 @@ class FiberBundleConfig:
         return AttentionConfig(
             d_model=self.d_model, n_heads=self.n_heads, head_dim=self.head_dim,
             scores="dot" if self.mode == "euclidean" else "metric",
-            metric="shared" if self.shared_metric else "token", metric_side=self.metric_side,
+            metric="shared" if self.shared_metric else "position" if self.position_metric else "token",
+            metric_side=self.metric_side, metric_bias=self.metric_bias, max_positions=self.block_size,
             rank=self.metric_rank, strength=self.metric_strength, lam_init=self.lam_init,
             learn_temperature=self.learn_temperature, connection=self.connection_resolved,
             rotary_base=self.rotary_base, content_rate_std=self.content_rate_std,
