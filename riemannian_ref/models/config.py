@@ -122,6 +122,11 @@ class FiberBundleConfig:
         :math:`N(0, 1/\text{fan-in})` (He for a ReLU layer), token embeddings
         :math:`N(0, 1)`, positions :math:`N(0, 0.1^2)`; residual output
         projections divided by :math:`\sqrt{2L}` only when ``skip``.
+    scale_residual : bool, default True
+        Whether the division by :math:`\sqrt{2L}` above happens at all.
+        False keeps every branch variance-preserving, as in the stacks of
+        Dong et al. (:meth:`attention_stack`), where it decides how fast
+        skip connections let the residual decay.
     qk_init : {"normal", "orthonormal"}, default "normal"
         Per-head query/key frames ``[h, D, d]`` Gaussian, or with orthonormal
         columns (for :class:`~riemannian_ref.optim.adam.StiefelAdam`).
@@ -163,6 +168,7 @@ class FiberBundleConfig:
     tie_weights: bool = True             # LM head shares the token embedding matrix
     n_classes: int | None = None         # outputs per position (None: vocab_size)
     init: str = "gpt2"                   # "gpt2" | "unit"
+    scale_residual: bool = True          # residual branches' output projections / sqrt(2L) at init
     qk_init: str = "normal"              # "normal" | "orthonormal" per-head frames
     qk_gain: float = 1.0                 # multiplies the query/key frames at init
 
@@ -185,7 +191,7 @@ class FiberBundleConfig:
         _choice(self.init, "init", INITS)
         _choice(self.activation, "activation", ACTIVATIONS)
         for name in ("shared_metric", "position_metric", "metric_bias", "learn_temperature", "transport_values",
-                     "skip", "mlp", "layer_norm", "causal", "bias", "tie_weights"):
+                     "skip", "mlp", "layer_norm", "causal", "bias", "tie_weights", "scale_residual"):
             check_bool(getattr(self, name), name)
         for name in ("precondition_ffn", "learned_positions"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
@@ -253,6 +259,7 @@ class FiberBundleConfig:
         base = dict(vocab_size=None, block_size=1024, d_model=64, n_heads=2, n_layers=24, mode="euclidean",
                     metric_rank=4, skip=False, mlp=False, layer_norm=False, causal=False,
                     learned_positions=False, activation="relu", bias=True, tie_weights=False, init="unit",
+                    scale_residual=False,
                     precondition_ffn=False)
         return cls(**{**base, **overrides})
 
@@ -313,6 +320,11 @@ class FiberBundleConfig:
         return self.connection_resolved == "trivial"
 
     @property
+    def scales_residual(self) -> bool:
+        """Whether residual-branch output projections are divided by :math:`\sqrt{2L}` at init."""
+        return self.scale_residual and (self.init == "gpt2" or self.skip)
+
+    @property
     def out_dim(self) -> int | None:
         """Outputs per position of the head (None: no head)."""
         return self.n_classes if self.n_classes is not None else self.vocab_size
@@ -330,7 +342,7 @@ class FiberBundleConfig:
         AttentionConfig
         """
         gpt2 = self.init == "gpt2"
-        residual = 1.0 / math.sqrt(2 * self.n_layers) if (gpt2 or self.skip) else 1.0
+        residual = 1.0 / math.sqrt(2 * self.n_layers) if self.scales_residual else 1.0
         return AttentionConfig(
             d_model=self.d_model, n_heads=self.n_heads, head_dim=self.head_dim,
             scores="dot" if self.mode == "euclidean" else "metric",

@@ -94,7 +94,7 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         with torch.no_grad():
             gpt2 = config.init == "gpt2"
-            residual = 1.0 / math.sqrt(2 * config.n_layers) if (gpt2 or config.skip) else 1.0
+            residual = 1.0 / math.sqrt(2 * config.n_layers) if config.scales_residual else 1.0
             he = 2.0 if config.activation == "relu" else 1.0
             self.fc.weight.normal_(0.0, 0.02 if gpt2 else math.sqrt(he / D))
             self.proj.weight.normal_(0.0, (0.02 if gpt2 else H ** -0.5) * residual)
