@@ -89,30 +89,47 @@ def test_import_riemannian_ref_does_not_need_transformers():
     assert "riemannian_ref[transformers]" in out.stdout
 
 
+def _run(model, implementation, ids, mask=None):
+    """Logits and every attention layer's output (after its output projection) under an implementation."""
+    model.set_attn_implementation(implementation)
+    outs = []
+    hooks = [layer.register_forward_hook(lambda mod, args, out: outs.append(out[0]))
+             for _, layer in rr_hf._attention_layers(model)]
+    try:
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    model.set_attn_implementation(rr_hf.NAME)
+    return logits, outs
+
+
+def _rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("lam", ["one", "per_head"])
 def test_zero_factors_are_sdpa_with_the_key_norm_bias(name, lam, gen):
-    """The whole switched model, with padding (left and right), causal masks, GQA and a sliding window."""
+    """The whole switched model, with padding (left and right), causal masks, GQA and a sliding window:
+    every attention layer's output and the logits, on the real tokens."""
     model = _switched(name, strength=0.0).eval()
     if lam == "per_head":  # a different lambda in every head and layer, through the package's rule
-        for i, layer in enumerate(rr_hf._attention_layers(model)):
-            for j, net in enumerate(layer[1].riemannian_metric.heads):
+        for i, (_, layer) in enumerate(rr_hf._attention_layers(model)):
+            for j, net in enumerate(layer.riemannian_metric.heads):
                 net.rho.data.fill_(raw_from_lam(0.5 + 0.3 * i + 0.2 * j))
     ids, mask = _batch(gen)
-    with torch.no_grad():
-        ours = model(ids, attention_mask=mask).logits
-        model.set_attn_implementation("sdpa_key_norm")
-        ref = model(ids, attention_mask=mask).logits
-        nopad = model(ids[:1]).logits  # no mask at all: the is_causal path
-        model.set_attn_implementation("sdpa")
-        plain = model(ids, attention_mask=mask).logits  # the model's own attention
-        model.set_attn_implementation(rr_hf.NAME)
-        nopad_ours = model(ids[:1]).logits
     real = mask.bool()  # padded positions may differ (fully masked rows): nothing reads them
-    torch.testing.assert_close(ours[real], ref[real], rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(nopad_ours, nopad, rtol=1e-10, atol=1e-10)
-    # the comparison has teeth: without the bias (plain SDPA) the model is another function
-    assert (ours[real] - plain[real]).abs().max() > 1e-6
+    for m in (mask, None):  # a padding mask, and none at all (the is_causal path)
+        sel = real if m is not None else torch.ones_like(real)
+        ours, ours_attn = _run(model, rr_hf.NAME, ids, m)
+        ref, ref_attn = _run(model, "sdpa_key_norm", ids, m)
+        plain, plain_attn = _run(model, "sdpa", ids, m)  # the model's own attention
+        torch.testing.assert_close(ours[sel], ref[sel], rtol=1e-10, atol=1e-12)
+        for a, b, c in zip(ours_attn, ref_attn, plain_attn):
+            assert _rel(a[sel], b[sel]) < 1e-10
+            assert _rel(a[sel], c[sel]) > 1e-3  # the comparison has teeth: without the bias it differs
 
 
 def test_a_layer_matches_the_dense_reference_with_factors(gen):
@@ -239,19 +256,20 @@ def test_save_pretrained_round_trip_keeps_the_metric(name, tmp_path, gen):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_generation_with_a_kv_cache_gives_the_full_forward_tokens(name, gen):
-    """Greedy decoding with the cache, without it, and by argmax of full forwards: the same tokens.
+    """Greedy decoding with a dynamic cache, a static one, none, and by argmax of full forwards: the same tokens.
     Qwen2's second layer has a 4-token window, shorter than what is generated."""
     model = _switched(name, strength=1.0).eval()
     prompt = torch.randint(V, (1, 5), generator=gen)
     kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
     cached = model.generate(prompt, use_cache=True, **kw)
+    static = model.generate(prompt, cache_implementation="static", **kw)
     uncached = model.generate(prompt, use_cache=False, **kw)
     ids = prompt
     with torch.no_grad():
         for _ in range(10):
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert cached.shape == (1, 15)
-    assert torch.equal(cached, uncached) and torch.equal(cached, ids)
+    assert torch.equal(cached, uncached) and torch.equal(static, uncached) and torch.equal(cached, ids)
     # and the cached logits agree with the full forward's to float64 precision
     out = model(prompt, use_cache=True)
     step = model(cached[:, 5:6], past_key_values=out.past_key_values).logits[:, -1]
@@ -317,5 +335,7 @@ def test_bad_input_is_refused_with_a_clear_error(gen):
     k = torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match=r"does not implement softcap \(the model passed softcap=30.0\)"):
         rr_hf.attention_forward(layer, q, k, k, None, softcap=30.0)
+    with pytest.raises(ValueError, match=r"does not implement cache"):
+        rr_hf.attention_forward(layer, q, k, k, None, cache=object())
     with pytest.raises(ValueError, match=r"the key states must have shape \[B, 2, n, 8\], got \[1, 2, 3, 5\]"):
         layer.riemannian_metric(torch.randn(1, 2, 3, 5))

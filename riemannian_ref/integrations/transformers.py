@@ -1,7 +1,7 @@
 r"""Riemannian attention as an attention backend of Hugging Face ``transformers`` (5.x).
 
-Switch a model you already have (Llama, Qwen2, Mistral, GPT-2, ...: any model
-whose attention layers call ``transformers``' ``AttentionInterface``) to
+Switch a model you already have (any model whose attention layers call
+``transformers``' ``AttentionInterface``; Llama, Qwen2 and GPT-2 are tested) to
 Riemannian attention in three lines, then train it as before::
 
     from riemannian_ref.integrations import transformers as rr_hf
@@ -55,8 +55,8 @@ and without a cache agree (``tests/test_transformers_integration.py``).
 
 Limits. ``output_attentions=True`` returns ``None`` weights (as ``"sdpa"``
 does); scores that other backends modify (``softcap``, attention sinks
-``s_aux``, a ``position_bias``) are refused with a ``ValueError``; paged or
-continuous-batching caches are not supported.
+``s_aux``, a ``position_bias``) and the paged cache of continuous batching
+are refused with a ``ValueError``.
 """
 from __future__ import annotations
 
@@ -82,8 +82,9 @@ CONFIG_KEY = "riemannian_metric"
 #: The attribute of an attention layer that holds its :class:`HeadMetric`.
 METRIC_ATTR = "riemannian_metric"
 SIDES = ("key", "query")
-# Keyword arguments with which a model changes the scores in ways this backend does not implement.
-UNSUPPORTED = ("softcap", "s_aux", "position_bias")
+# Keyword arguments with which a model changes the scores in ways this backend does not implement
+# (and the paged cache of continuous batching, which a backend must read itself).
+UNSUPPORTED = ("softcap", "s_aux", "position_bias", "cache")
 
 
 class HeadMetric(nn.Module):
@@ -214,6 +215,11 @@ def attach(model: nn.Module, rank: int = 2, *, side: str = "key", lam_init: floa
     Returns
     -------
     The same ``model`` (changed in place).
+
+    Notes
+    -----
+    Models built from one config object share it, and with it the recorded
+    settings: build each model you attach to from a config of its own.
     """
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise ValueError(f"model must be a transformers model (an nn.Module with a config), got "
@@ -266,7 +272,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         only when there is no mask and more than one query, as with SDPA.
     **kwargs
         Ignored, except those that change the scores (``softcap``, ``s_aux``,
-        ``position_bias``), which are refused.
+        ``position_bias``) and a paged ``cache`` (continuous batching), which
+        are refused.
 
     Returns
     -------
@@ -285,14 +292,13 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     if query.dim() != 4 or key.dim() != 4:
         raise ValueError(f"query and key must have shape [B, heads, n, d], got query {shape_str(query)}, "
                          f"key {shape_str(key)}")
-    n_q, n_k = query.shape[-2], key.shape[-2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     # As the SDPA backend: the causal flag stands in for a mask only when the model built none
     # and there is more than one query (one new token attends to its whole cache).
-    is_causal = bool(is_causal) and attention_mask is None and n_q > 1
-    if is_causal and n_k > n_q:  # prefill into an empty static cache: the slots past n_q are unused
-        key, value = key[..., :n_q, :], value[..., :n_q, :]
+    # (Top-left aligned, as SDPA's: with more keys than queries, e.g. an empty static cache at
+    # prefill, the keys past n_q are never attended.)
+    is_causal = bool(is_causal) and attention_mask is None and query.shape[-2] > 1
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         attention_mask = attention_mask.to(query.dtype)
     lam, U = metric(key if metric.side == "key" else query)  # (h_side,), (B, h_side, n, d, r)
