@@ -40,31 +40,35 @@ class GPTConfig:
     dropout: float = 0.0
     attention: str = "riemannian"  # "riemannian" or "sdpa" (the unchanged nanoGPT)
     rank: int = 2                # rank r of each token's metric factor U
-    strength: float = 1.0        # size of U at init (rr.MetricNet's default; 0.01 starts near G = lam I)
+    strength: float = 1.0        # size of U at init (rr.MetricNet's default)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.metric = None
-        if config.attention == "riemannian":  # (1) per token and head: lam (learned per head) and U [d, r]
-            self.metric = rr.MetricNet(config.n_embd, config.n_head, config.n_embd // config.n_head, config.rank,
+        if config.attention == "riemannian":  # (1) lam per head, U [d, r] per token
+            self.metric = rr.MetricNet(config.n_embd, config.n_head,
+                                       config.n_embd // config.n_head, config.rank,
                                        strength=config.strength)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
-        p = self.dropout if self.training else 0.0
+        hs = C // self.n_head
+        q, k, v = (t.view(B, T, self.n_head, hs).transpose(1, 2) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0  # q, k, v: (B, nh, T, hs)
         if self.metric is None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             lam, U = self.metric(x)  # (2) (nh,), (B, nh, T, hs, r)
-            y = rr.riemannian_attention(q, k, v, dropout_p=p, is_causal=True, U_k=U, lam=lam)  # (3)
+            y = rr.riemannian_attention(q, k, v, dropout_p=p, is_causal=True,
+                                        U_k=U, lam=lam)  # (3)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
