@@ -5,7 +5,8 @@ Usage (from the repository root, with only Python >= 3.10 and pip):
 
     python3 dev.py book      # create .venv, install, build _build/html
     python3 dev.py test      # same set-up, then unit tests + every notebook
-                             # under strict nbval + the book build with -W
+                             # under strict nbval + the wheel, installed in a
+                             # fresh environment + the book build with -W
     python3 dev.py pdf       # same set-up, then the whole book as one PDF
                              # (_build/latex/book.pdf, copied beside the HTML)
     python3 dev.py execute [chapters/NN_x.ipynb ...]
@@ -210,6 +211,7 @@ def test(extra: list[str]) -> None:
         cmd += ["-n", workers, "--dist", "loadfile"]
     cmd += extra
     _run(cmd)
+    check_wheel()
     # A clean build, so that stale pages cannot hide a warning.
     shutil.rmtree(ROOT / "_build" / "html", ignore_errors=True)
     shutil.rmtree(ROOT / "_build" / ".doctrees", ignore_errors=True)
@@ -218,6 +220,37 @@ def test(extra: list[str]) -> None:
     if browser.exists():
         # Reads the pages just built: headless Chromium, network off.
         _run([PY, "-m", "pytest", "-p", "no:cacheprovider", "tests/browser"])
+
+
+def check_wheel() -> None:
+    """Build the wheel and sdist and try the wheel where the checkout cannot help it.
+
+    `python -m build` makes the sdist and, from it, the wheel; the wheel is
+    installed with the transformers extra into a new virtual environment in a
+    temporary directory (torch and the rest at the versions pinned in
+    requirements.txt), and tests/wheel_smoke.py runs there with `python -I`
+    from that directory: a module, data file, `py.typed` or dependency missing
+    from the package fails the test command.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rr-wheel-") as tmp:
+        dist, venv = Path(tmp) / "dist", Path(tmp) / "venv"
+        _run([PY, "-m", "build", "--quiet", "--outdir", dist, "."])
+        wheels, sdists = sorted(dist.glob("*.whl")), sorted(dist.glob("*.tar.gz"))
+        if len(wheels) != 1 or len(sdists) != 1:
+            raise SystemExit(f"python -m build made {[p.name for p in dist.iterdir()]}: "
+                             "expected one wheel and one sdist")
+        print(f"built {wheels[0].name} ({wheels[0].stat().st_size / 1e3:.0f} kB) and {sdists[0].name}",
+              flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        vpy = venv / ("Scripts" if os.name == "nt" else "bin") / "python"
+        env = dict(os.environ, **RUN_ENV)
+        for cmd in ([vpy, "-m", "pip", "install", "--quiet", "-c", ROOT / "requirements.txt",
+                     f"{wheels[0]}[transformers]"],
+                    [vpy, "-I", ROOT / "tests" / "wheel_smoke.py"]):
+            print("+", " ".join(str(c) for c in cmd), flush=True)
+            subprocess.run([str(c) for c in cmd], cwd=tmp, env=env, check=True)
 
 
 def execute(paths: list[str]) -> None:
