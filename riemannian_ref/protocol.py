@@ -27,9 +27,10 @@ runs through :func:`compare`, so that each follows the same rules:
    training time the reference arm needs for ``config.steps``: the seconds
    per step of each arm are measured interleaved, arm after arm, with the
    same training loop (or given as ``wallclock_steps``, to reproduce a run).
-6. **A stated convergence check.** For each arm the relative drop of the
-   seed-mean validation loss over the last ``plateau_window`` of its steps
-   must be below ``plateau_tol``; the result says whether the best arm passed.
+6. **A stated convergence check.** For each arm the seed-mean validation
+   loss may fall over the last ``plateau_window`` of its steps by less than
+   ``plateau_tol`` (relative) or less than ``plateau_atol`` (nats, for losses
+   near zero); the result says whether the best arm passed.
 
 Everything is trained by :func:`~riemannian_ref.training.train`, the
 package's one training loop. The result is a JSON-ready dict; with the same
@@ -104,7 +105,8 @@ def steps_to_target(curve: Sequence[Sequence], target: float) -> int | None:
     return None
 
 
-def plateau(curves: Sequence[Sequence[Sequence]], *, window: float = 0.25, tol: float = 0.02) -> dict:
+def plateau(curves: Sequence[Sequence[Sequence]], *, window: float = 0.25, tol: float = 0.02,
+            atol: float = 0.01) -> dict:
     r"""Has the seed-mean validation loss stopped falling? The protocol's convergence criterion.
 
     With :math:`\bar L(t)` the mean validation loss over the runs at step
@@ -112,7 +114,9 @@ def plateau(curves: Sequence[Sequence[Sequence]], *, window: float = 0.25, tol: 
     fraction ``window`` of training is
     :math:`\rho = (\bar L(t_0) - \bar L(T)) / \bar L(t_0)`, where :math:`t_0`
     is the first evaluated step at or after :math:`(1 - \text{window})\,T`;
-    the runs have converged when :math:`\rho <` ``tol``.
+    the runs have converged when :math:`\rho <` ``tol`` or the drop itself,
+    :math:`\bar L(t_0) - \bar L(T)`, is below ``atol`` (a loss already near
+    zero may halve and still not matter).
 
     Parameters
     ----------
@@ -123,17 +127,22 @@ def plateau(curves: Sequence[Sequence[Sequence]], *, window: float = 0.25, tol: 
         Fraction of training inspected, in ``(0, 1)``.
     tol : float, default 0.02
         Largest relative drop still called a plateau, ``> 0``.
+    atol : float, default 0.01
+        Largest absolute drop (in the loss's units, nats) still called a
+        plateau, ``>= 0``.
 
     Returns
     -------
     dict
-        ``rel_drop`` (:math:`\rho`), ``from_step`` (:math:`t_0`), ``to_step``
-        (:math:`T`), ``converged`` (bool).
+        ``rel_drop`` (:math:`\rho`), ``abs_drop``, ``from_step``
+        (:math:`t_0`), ``to_step`` (:math:`T`), ``converged`` (bool).
     """
     if not 0.0 < window < 1.0:
         raise ValueError(f"window must lie in (0, 1), got {window!r}")
     if not tol > 0:
         raise ValueError(f"tol must be > 0, got {tol!r}")
+    if not atol >= 0:
+        raise ValueError(f"atol must be >= 0, got {atol!r}")
     if not curves:
         raise ValueError("curves must hold at least one curve")
     steps = [row[0] for row in curves[0]]
@@ -142,8 +151,10 @@ def plateau(curves: Sequence[Sequence[Sequence]], *, window: float = 0.25, tol: 
     mean = np.mean([[row[1] for row in c] for c in curves], axis=0)  # (n_evals,)
     T = steps[-1]
     i0 = next(i for i, s in enumerate(steps) if s >= (1 - window) * T)
-    rel = float((mean[i0] - mean[-1]) / abs(mean[i0])) if mean[i0] != 0 else 0.0
-    return {"rel_drop": rel, "from_step": int(steps[i0]), "to_step": int(T), "converged": bool(rel < tol)}
+    drop = float(mean[i0] - mean[-1])
+    rel = drop / abs(float(mean[i0])) if mean[i0] != 0 else 0.0
+    return {"rel_drop": rel, "abs_drop": drop, "from_step": int(steps[i0]), "to_step": int(T),
+            "converged": bool(rel < tol or drop < atol)}
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], *, confidence: float = 0.95,
@@ -216,7 +227,8 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
             tune_seeds: Sequence[int] = (1000,), eval_seeds: Sequence[int] = (0, 1, 2, 3, 4),
             reference: str | None = None, select: str = "val_loss", target: float | None = None,
             accuracy: bool = True, wallclock: bool = False, wallclock_steps: Mapping[str, int] | None = None,
-            plateau_window: float = 0.25, plateau_tol: float = 0.02, confidence: float = 0.95,
+            plateau_window: float = 0.25, plateau_tol: float = 0.02, plateau_atol: float = 0.01,
+            confidence: float = 0.95,
             progress: Callable[[str], None] | None = None) -> dict:
     r"""Compare training arms under the book's protocol (module docstring): tune, evaluate, pair, check.
 
@@ -258,7 +270,7 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
     wallclock_steps : mapping of str to int, optional
         Step budget of every arm at matched wall-clock (reproduces an earlier
         call); None: measured (see the module docstring).
-    plateau_window, plateau_tol : float, default 0.25, 0.02
+    plateau_window, plateau_tol, plateau_atol : float, default 0.25, 0.02, 0.01
         The convergence criterion, :func:`plateau`.
     confidence : float, default 0.95
         Level of the intervals.
@@ -279,7 +291,8 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
         (per budget and arm: mean, sd and t-interval of the final numbers;
         the count of runs reaching ``target``), ``paired`` (per budget, each
         arm against the reference: :func:`paired_difference` of the final
-        loss, accuracy and censored steps to target), ``plateau`` (per arm,
+        loss and accuracy, and at matched steps of the steps to target, a run
+        that never gets there censored at the budget), ``plateau`` (per arm,
         :func:`plateau` of its step-budget runs; ``best_arm`` and
         ``best_arm_converged``), ``wallclock_steps``, ``seconds_per_step``
         and ``machine`` (threads, load averages, wall time).
@@ -322,7 +335,8 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
         missing = sorted(set(arms) - set(wallclock_steps))
         if missing:
             raise ValueError(f"wallclock_steps must give a step budget for every arm, missing {missing}")
-    plateau([[[0, 1.0, None], [1, 1.0, None]]], window=plateau_window, tol=plateau_tol)  # validates both
+    plateau([[[0, 1.0, None], [1, 1.0, None]]], window=plateau_window, tol=plateau_tol,
+            atol=plateau_atol)  # validates the three
 
     t_start, load_start = time.perf_counter(), os.getloadavg()
     cache: dict[int, tuple[TaskData, TaskData]] = {}
@@ -412,17 +426,21 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
         for name in arms:
             if name == reference:
                 continue
-            paired[budget][name] = _pair(ev[name], ev[reference], target, confidence)
+            # steps to target pair only under a shared step budget (at matched time the budgets differ)
+            paired[budget][name] = _pair(ev[name], ev[reference], target if budget == "steps" else None,
+                                         confidence)
     plat = {name: plateau([r["curve"] for r in runs if r["role"] == "eval" and r["budget"] == "steps"
-                           and r["mode"] == name], window=plateau_window, tol=plateau_tol) for name in arms}
+                           and r["mode"] == name], window=plateau_window, tol=plateau_tol, atol=plateau_atol)
+            for name in arms}
     best_arm = min(arms, key=lambda a: summary["steps"][a]["val_loss"]["mean"])
     return {
         "protocol": {"arms": list(arms), "reference": reference, "tune_seeds": tune_seeds, "eval_seeds": eval_seeds,
                      "lrs": {a: list(arms[a].lrs if arms[a].lrs is not None else lrs) for a in arms},
                      "warmups": warm_grid, "select": select, "target": target, "confidence": confidence,
-                     "plateau": {"window": plateau_window, "tol": plateau_tol,
-                                 "criterion": "relative drop of the seed-mean validation loss over the last "
-                                              f"{plateau_window:g} of the steps below {plateau_tol:g}"},
+                     "plateau": {"window": plateau_window, "tol": plateau_tol, "atol": plateau_atol,
+                                 "criterion": "the seed-mean validation loss falls over the last "
+                                              f"{plateau_window:g} of the steps by less than {plateau_tol:g} "
+                                              f"(relative) or less than {plateau_atol:g} nats"},
                      "config": dataclasses.asdict(config)},
         "tuned": tuned, "runs": runs, "summary": summary, "paired": paired,
         "plateau": {"arms": plat, "best_arm": best_arm, "best_arm_converged": plat[best_arm]["converged"]},

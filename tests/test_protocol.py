@@ -82,6 +82,11 @@ def test_matched_wallclock_reuses_equal_budgets_and_honours_given_steps():
     same = {(r["mode"], r["seed"]): r["curve"] for r in res["runs"] if r["budget"] == "steps" and r["role"] == "eval"}
     assert all(r["curve"] == same[(r["mode"], r["seed"])] for r in timed if r["mode"] == "dot")
     assert set(res["summary"]) == {"steps", "time"} and res["wallclock_steps"] == {"dot": 12, "distance": 6}
+    # steps to a target pair only under a shared step budget
+    res = rr.compare(ARMS, data, CFG, lrs=(1e-2,), eval_seeds=(0, 1), wallclock=True, target=0.3,
+                     wallclock_steps={"dot": 12, "distance": 6})
+    assert "steps_to_target" in res["paired"]["steps"]["distance"]
+    assert "steps_to_target" not in res["paired"]["time"]["distance"]
     measured = rr.compare(ARMS, data, CFG.__class__(steps=4, batch_size=8, eval_interval=4), lrs=(1e-2,),
                           eval_seeds=(0, 1), wallclock=True)
     assert set(measured["seconds_per_step"]) == set(ARMS) and all(v > 0 for v in measured["seconds_per_step"].values())
@@ -123,9 +128,13 @@ def test_paired_difference_matches_scipy():
 def test_plateau_and_steps_to_target():
     flat = [[0, 3.0, 0.1], [50, 1.02, 0.9], [75, 1.01, 0.96], [100, 1.0, 0.97]]
     falling = [[0, 3.0, 0.1], [50, 2.0, 0.5], [75, 1.5, 0.6], [100, 1.0, 0.7]]
-    assert plateau([flat]) == {"rel_drop": pytest.approx(0.01 / 1.01), "from_step": 75, "to_step": 100,
-                               "converged": True}
+    assert plateau([flat]) == {"rel_drop": pytest.approx(0.01 / 1.01), "abs_drop": pytest.approx(0.01),
+                               "from_step": 75, "to_step": 100, "converged": True}
     assert not plateau([falling])["converged"]
+    # a loss near zero may halve and still have converged: the absolute tolerance
+    tiny = [[0, 2.0, 0.1], [50, 0.01, 1.0], [75, 0.004, 1.0], [100, 0.002, 1.0]]
+    assert plateau([tiny])["rel_drop"] == pytest.approx(0.5) and plateau([tiny])["converged"]
+    assert not plateau([tiny], atol=0.001)["converged"]
     assert steps_to_target(flat, 0.95) == 75 and steps_to_target(falling, 0.95) is None
     with pytest.raises(ValueError, match="same steps"):
         plateau([flat, falling[:3]])
