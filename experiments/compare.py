@@ -1,33 +1,51 @@
 #!/usr/bin/env python3
-"""Euclidean vs Riemannian vs Fiber Bundle Transformer on one task, fairly.
+"""Compare Fiber Bundle Transformer modes on one task under the book's protocol (``rr.compare``).
 
-1. Parameter matching: the Euclidean model has the given width; the other
-   modes get the width (a multiple of 2 * n_heads) whose parameter count is
-   closest to it. All counts are reported.
-2. Throughput: every mode's training tokens/s, measured interleaved (mode
-   after mode, repeated) in this same process, median over repetitions.
-3. Learning rate tuned per mode on a grid (seed 0, full steps; the lowest
-   final validation loss wins).
-4. Matched parameters: every mode at its tuned rate, ``--seeds`` seeds,
-   ``--steps`` steps each.
-5. Matched wall-clock: every mode gets the number of steps it runs in the
-   time the Euclidean model needs for ``--steps`` (from the throughput of 2.),
-   its schedule stretched to that many steps; same seeds.
+Every arm is a ``rr.FiberBundleTransformer``; the reference arm has the given
+width and every other arm the width (a multiple of ``2 * n_heads``) whose
+parameter count is closest to it (``rr.match_width``), so the arms compare at
+matched parameter counts. ``rr.compare`` then
 
-Writes one JSON (all histories, the grid, counts, throughput, wall time,
-load average, thread count) to ``--out``. Run it niced on a shared machine:
+1. tunes each arm's learning rate on ``--lrs`` with the tuning seeds
+   ``--tune-seeds`` (never evaluated),
+2. trains each arm at its tuned rate on every evaluation seed ``--seeds``
+   (seed s: data, initialisation and batch order shared by all arms),
+3. with ``--wallclock``, trains each arm again for the training time the
+   reference needs for ``--steps`` (seconds per step measured interleaved),
+4. stores every run's curve and the paired statistics.
 
-    nice -n 10 python experiments/compare.py --out results/compare_recall.json
+Tasks (``--task``):
+
+* ``recall``: associative recall in its one-token-per-pair form
+  (``rr.pair_lookup``: ``--n-pairs`` (key, value) tokens, then a query key;
+  the answer is the value paired with it), the arms ``euclidean``,
+  ``riemannian``, ``fiber_bundle``;
+* ``charlm``: next-character prediction on the Python language reference
+  (``rr.char_lm``, split by topic), with the fibre-bundle ablation: the arms
+  ``euclidean`` (learned positions), ``rope`` (dot product, flat connection,
+  values not transported, no learned positions: rotary position embedding),
+  ``riemannian`` (metric scores, learned positions), ``fiber_bundle`` (content
+  connection with value transport, preconditioned FFN, no learned
+  positions), ``fb_no_precond`` (the same without the preconditioned FFN)
+  and ``fb_no_connection`` (trivial connection, learned positions,
+  preconditioned FFN). ``--arms`` picks a subset.
+
+Writes ``--out`` (small JSON: the protocol's result plus the task, the model
+configs, the parameter counts, the command and the machine). Re-running with
+the same arguments reproduces every number except the measured times; the
+matched wall-clock step budgets are measured, and ``--wallclock-steps`` gives
+them back to reproduce a file exactly. Run it niced on a shared machine:
+
+    nice -n 15 env OMP_NUM_THREADS=1 python experiments/compare.py --task recall \\
+        --out results/compare_recall.json
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import math
 import os
-import statistics
+import platform
 import sys
 import time
 
@@ -35,185 +53,123 @@ import torch
 from tqdm.auto import tqdm
 
 import riemannian_ref as rr
-from train import MODES, ModelConfig, TaskConfig, build_model, model_config, task_data
+from riemannian_ref.protocol import Arm
+from train import ModelConfig, TaskConfig, model_config, task_data
 
-
-def n_params(mc: ModelConfig, V: int, n: int) -> int:
-    return rr.count_parameters(model_config(mc, V, n))["total"]
-
-
-def throughput(mcs: dict, data: rr.TaskData, batch_size: int, reps: int, steps: int, lr: float) -> dict:
-    """Median training tokens/s of each mode, measured interleaved."""
-    models, opts = {}, {}
-    for mode, mc in mcs.items():
-        torch.manual_seed(0)
-        models[mode] = build_model(mc, data.vocab_size, data.seq_len)
-        opts[mode] = torch.optim.AdamW(models[mode].parameters(), lr=lr)
-    g = torch.Generator().manual_seed(0)
-    rates = {m: [] for m in mcs}
-    for rep in range(reps + 1):  # the first round warms up and is discarded
-        for mode, model in models.items():
-            b = torch.randint(0, len(data), (batch_size,), generator=g)
-            x, y, mk = data.x[b], data.y[b], data.mask[b]
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                loss = rr.training.masked_cross_entropy(model(x).logits, y, mk)
-                opts[mode].zero_grad()
-                loss.backward()
-                opts[mode].step()
-            dt = time.perf_counter() - t0
-            if rep:
-                rates[mode].append(steps * x.numel() / dt)
-    return {m: {"median": statistics.median(r), "min": min(r), "max": max(r), "reps": r} for m, r in rates.items()}
-
-
-def run_one(mc: ModelConfig, tc: TaskConfig, tcfg: rr.TrainConfig, data) -> dict:
-    torch.manual_seed(tcfg.seed)  # init seed = data seed
-    model = build_model(mc, data[0].vocab_size, data[0].seq_len)
-    res = rr.train(model, data[0], data[1], tcfg)
-    return {"mode": mc.mode, "d_model": mc.d_model, "lr": tcfg.lr, "seed": tcfg.seed, "steps": tcfg.steps,
-            "n_params": res.n_params, "train_time_s": res.train_time_s, "tokens_per_s": res.tokens_per_s,
-            "final": res.final, "history": res.history}
-
-
-def summarise(runs: list[dict]) -> dict:
-    out = {}
-    for mode in MODES:
-        rs = [r for r in runs if r["mode"] == mode]
-        if not rs:
-            continue
-        s = {"n_seeds": len(rs), "steps": rs[0]["steps"], "lr": rs[0]["lr"]}
-        for k in ("val_loss", "val_accuracy", "val_seq_accuracy"):
-            v = [r["final"][k] for r in rs]
-            s[k + "_mean"] = statistics.fmean(v)
-            s[k + "_std"] = statistics.stdev(v) if len(v) > 1 else 0.0
-            s[k + "_min"], s[k + "_max"] = min(v), max(v)
-        s["train_time_s_mean"] = statistics.fmean(r["train_time_s"] for r in rs)
-        out[mode] = s
-    return out
+#: Every arm the script knows: the mode and the FiberBundleConfig fields it sets.
+ARMS = {
+    "euclidean": ("euclidean", {}),
+    "riemannian": ("riemannian", {}),
+    "fiber_bundle": ("fiber_bundle", {}),
+    "rope": ("euclidean", dict(connection="flat", transport_values=False, learned_positions=False)),
+    "fb_no_precond": ("fiber_bundle", dict(precondition_ffn=False)),
+    "fb_no_connection": ("fiber_bundle", dict(connection="trivial", learned_positions=True)),
+}
+DEFAULT_ARMS = {"recall": "euclidean,riemannian,fiber_bundle",
+                "charlm": "euclidean,rope,riemannian,fiber_bundle,fb_no_precond,fb_no_connection"}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--task", default="recall", choices=("recall", "modular", "charlm"))
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--task", default="recall", choices=("recall", "charlm"))
+    ap.add_argument("--arms", help="comma-separated arms (default: all of the task's); the first is the reference")
+    ap.add_argument("--d-model", type=int, default=32, help="width of the reference arm")
     ap.add_argument("--n-layers", type=int, default=2)
-    ap.add_argument("--n-heads", type=int, default=4)
+    ap.add_argument("--n-heads", type=int, default=2)
     ap.add_argument("--metric-rank", type=int, default=2)
-    ap.add_argument("--vocab-size", type=int, default=32)
-    ap.add_argument("--n-pairs", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=32)
-    ap.add_argument("--n-train", type=int, default=8192)
-    ap.add_argument("--n-val", type=int, default=256)
+    ap.add_argument("--n-keys", type=int, default=16, help="recall: key symbols")
+    ap.add_argument("--n-values", type=int, default=8, help="recall: value symbols")
+    ap.add_argument("--n-pairs", type=int, default=6, help="recall: pairs in the context")
+    ap.add_argument("--n-train", type=int, default=20000, help="recall: training examples")
+    ap.add_argument("--n-val", type=int, default=512, help="recall: validation examples")
+    ap.add_argument("--block-size", type=int, default=32, help="charlm: characters of context")
     ap.add_argument("--eval-max", type=int, default=None, help="evaluate on the first EVAL_MAX validation examples")
-    ap.add_argument("--p", type=int, default=59)
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--eval-interval", type=int, default=25)
+    ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--lrs", default="1e-3,3e-3,1e-2")
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--no-match-params", action="store_true")
-    ap.add_argument("--no-wallclock", action="store_true")
+    ap.add_argument("--tune-seeds", default="1000")
+    ap.add_argument("--seeds", default="0,1,2,3,4", help="evaluation seeds")
+    ap.add_argument("--target", type=float, default=None, help="report steps to this validation accuracy")
+    ap.add_argument("--wallclock", action="store_true", help="add the matched wall-clock evaluation")
+    ap.add_argument("--wallclock-steps", help="arm=steps,... (reproduce a file's matched wall-clock budgets)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default="results/compare_recall.json")
+    ap.add_argument("--out", required=True)
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
 
     t_start = time.perf_counter()
-    load_start = os.getloadavg()
-    modes = a.modes.split(",")
-    lrs = [float(x) for x in a.lrs.split(",")]
-    seeds = [int(x) for x in a.seeds.split(",")]
-    tc = TaskConfig(name=a.task, vocab_size=a.vocab_size, n_pairs=a.n_pairs, seq_len=a.seq_len,
-                    n_train=a.n_train, n_val=a.n_val, p=a.p)
-    data_by_seed = {s: task_data(tc, s) for s in seeds}
-    V, n = data_by_seed[seeds[0]][0].vocab_size, data_by_seed[seeds[0]][0].seq_len
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    arm_names = (a.arms or DEFAULT_ARMS[a.task]).split(",")
+    unknown = [n for n in arm_names if n not in ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arms {unknown}; known: {sorted(ARMS)}")
+    if a.task == "recall":
+        tc = TaskConfig(name="lookup", n_keys=a.n_keys, n_values=a.n_values, n_pairs=a.n_pairs,
+                        n_train=a.n_train, n_val=a.n_val)
+    else:
+        tc = TaskConfig(name="charlm", seq_len=a.block_size, corpus="reference")
+    probe_train, _ = task_data(tc, 0)
+    V, n, C = probe_train.vocab_size, probe_train.seq_len, probe_train.n_classes
 
     base = ModelConfig(mode="euclidean", d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
                        metric_rank=a.metric_rank)
-    target = n_params(base, V, n)
-    mcs, counts = {}, {}
-    for mode in modes:
-        mc = dataclasses.replace(base, mode=mode)
-        if mode != "euclidean" and not a.no_match_params:
-            D = rr.match_width(model_config(mc, V, n), target, widths=range(2 * a.n_heads, a.d_model + 1,
-                                                                              2 * a.n_heads)).d_model
-            mc = dataclasses.replace(mc, d_model=D)
-        mcs[mode] = mc
-        counts[mode] = {"d_model": mc.d_model, "n_params": n_params(mc, V, n),
-                        "n_params_at_base_width": n_params(dataclasses.replace(base, mode=mode), V, n)}
+    cfgs, counts = {}, {}
+    target_params = None
+    for name in arm_names:
+        mode, extra = ARMS[name]
+        cfg = model_config(dataclasses.replace(base, mode=mode, extra=extra), V, n, C)
+        if target_params is None:
+            target_params = rr.count_parameters(cfg)["total"]
+        else:
+            cfg = rr.match_width(cfg, target_params, widths=range(2 * a.n_heads, 2 * a.d_model + 1, 2 * a.n_heads))
+        cfgs[name] = cfg
+        counts[name] = {"d_model": cfg.d_model, "n_params": rr.count_parameters(cfg)["total"],
+                        "by_component": rr.count_parameters(cfg)}
 
-    thr = throughput(mcs, data_by_seed[seeds[0]][0], a.batch_size, reps=5, steps=3, lr=1e-3)
+    arms = {name: Arm(lambda cfg=cfg: rr.FiberBundleTransformer(cfg)) for name, cfg in cfgs.items()}
+    config = rr.TrainConfig(steps=a.steps, batch_size=a.batch_size, eval_interval=a.eval_interval,
+                            warmup_steps=a.warmup, schedule="cosine", min_lr_ratio=0.1, grad_clip=1.0,
+                            eval_max_examples=a.eval_max, device=a.device)
+    wc_steps = None
+    if a.wallclock_steps:
+        wc_steps = {k: int(v) for k, v in (item.split("=") for item in a.wallclock_steps.split(","))}
+    lrs = [float(x) for x in a.lrs.split(",")]
+    tune_seeds = [int(x) for x in a.tune_seeds.split(",")]
+    seeds = [int(x) for x in a.seeds.split(",")]
+    n_runs = len(arms) * (len(lrs) * len(tune_seeds) + len(seeds) * (2 if a.wallclock else 1))
+    bar = tqdm(total=n_runs, desc="runs", disable=a.no_progress)
 
-    def tcfg(lr, seed, steps):
-        return rr.TrainConfig(lr=lr, seed=seed, steps=steps, batch_size=a.batch_size,
-                              eval_interval=max(1, min(a.eval_interval, steps)), weight_decay=a.weight_decay,
-                              warmup_steps=min(20, steps // 10), device=a.device, progress=False,
-                              eval_max_examples=a.eval_max)
+    def progress(msg):
+        bar.set_description(msg)
+        bar.update(1)
 
-    jobs = len(modes) * len(lrs) + len(modes) * (len(seeds) - 1)
-    jobs += 0 if a.no_wallclock else (len(modes) - 1) * len(seeds)
-    bar = tqdm(total=jobs, desc="runs", disable=a.no_progress)
-
-    grid = []  # stage 3: lr grid, seed 0, modes interleaved
-    for lr in lrs:
-        for mode in modes:
-            grid.append(run_one(mcs[mode], tc, tcfg(lr, seeds[0], a.steps), data_by_seed[seeds[0]]))
-            bar.update(1)
-            bar.set_postfix(mode=mode, lr=lr, loss=f"{grid[-1]['final']['val_loss']:.3f}")
-    best_lr = {}
-    for mode in modes:
-        rs = [r for r in grid if r["mode"] == mode]
-        best_lr[mode] = min(rs, key=lambda r: r["final"]["val_loss"]
-                            if math.isfinite(r["final"]["val_loss"]) else float("inf"))["lr"]
-
-    matched = [r for r in grid if r["lr"] == best_lr[r["mode"]]]  # stage 4 reuses seed 0
-    for seed in seeds[1:]:
-        for mode in modes:
-            matched.append(run_one(mcs[mode], tc, tcfg(best_lr[mode], seed, a.steps), data_by_seed[seed]))
-            bar.update(1)
-
-    wallclock, wc_steps = [], {}
-    if not a.no_wallclock:  # stage 5
-        ref = thr["euclidean"]["median"]
-        for mode in modes:
-            wc_steps[mode] = max(1, round(a.steps * thr[mode]["median"] / ref))
-        for seed in seeds:
-            for mode in modes:
-                if wc_steps[mode] == a.steps:
-                    wallclock += [r for r in matched if r["mode"] == mode and r["seed"] == seed]
-                    continue
-                wallclock.append(run_one(mcs[mode], tc, tcfg(best_lr[mode], seed, wc_steps[mode]),
-                                         data_by_seed[seed]))
-                bar.update(1)
+    res = rr.compare(arms, lambda seed: task_data(tc, seed), config, lrs=lrs, tune_seeds=tune_seeds,
+                     eval_seeds=seeds, target=a.target, wallclock=a.wallclock, wallclock_steps=wc_steps,
+                     progress=progress)
     bar.close()
-
     record = {
-        "task": dataclasses.asdict(tc), "modes": modes, "base": dataclasses.asdict(base),
-        "models": {m: dataclasses.asdict(mc) for m, mc in mcs.items()}, "param_counts": counts,
-        "lr_grid": lrs, "best_lr": best_lr, "seeds": seeds, "steps": a.steps, "batch_size": a.batch_size,
-        "throughput_tokens_per_s": thr, "wallclock_steps": wc_steps,
-        "summary_matched_params": summarise(matched),
-        "summary_matched_wallclock": summarise(wallclock) if wallclock else None,
-        "runs_grid": grid, "runs_matched_params": matched, "runs_matched_wallclock": wallclock,
-        "wall_s": time.perf_counter() - t_start, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-        "nice": os.nice(0), "threads": torch.get_num_threads(), "device": a.device,
-        "package_version": rr.__version__,
-        "model_source_sha256": {m.__name__: hashlib.sha256(open(m.__file__, "rb").read()).hexdigest()
-                                for m in (rr.models.transformer, rr.attention.layer, rr.attention.connections)},
-        "torch": torch.__version__, "python": sys.version.split()[0], "argv": sys.argv[1:] if argv is None else argv,
+        "experiment": f"compare_{a.task}", "task": dataclasses.asdict(tc),
+        "data": {"n_train": len(probe_train), "vocab_size": V, "seq_len": n, "n_classes": C},
+        "arms": {name: {"mode": ARMS[name][0], "fields": ARMS[name][1]} for name in arm_names},
+        "models": {name: dataclasses.asdict(cfg) for name, cfg in cfgs.items()}, "param_counts": counts,
+        **res,
+        "wall_s": time.perf_counter() - t_start,
+        "command": "python experiments/compare.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "python": platform.python_version(), "nice": os.nice(0), "package_version": rr.__version__,
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump(record, f, indent=None, separators=(",", ":"))
-    for mode, s in record["summary_matched_params"].items():
-        print(f"{mode:13s} params {counts[mode]['n_params']:7d} lr {best_lr[mode]:.0e} "
-              f"val_loss {s['val_loss_mean']:.4f}+-{s['val_loss_std']:.4f} "
-              f"acc {s['val_accuracy_mean']:.4f}+-{s['val_accuracy_std']:.4f} "
-              f"tok/s {thr[mode]['median']:.0f}")
-    print(f"wall {record['wall_s']:.0f} s, load {load_start} -> {record['loadavg_end']} -> {a.out}")
+        json.dump(record, f, separators=(",", ":"))
+    for name in arm_names:
+        s = res["summary"]["steps"][name]
+        acc = s.get("val_acc", {}).get("mean", float("nan"))
+        print(f"{name:17s} D={cfgs[name].d_model:3d} params {counts[name]['n_params']:7d} "
+              f"lr {res['tuned'][name]['lr']:.0e} val_loss {s['val_loss']['mean']:.4f}+-{s['val_loss']['sd']:.4f} "
+              f"acc {acc:.4f}")
+    print(f"wall {record['wall_s'] / 60:.1f} min, load {res['machine']['loadavg_start'][0]:.1f} -> "
+          f"{res['machine']['loadavg_end'][0]:.1f} -> {a.out}")
 
 
 if __name__ == "__main__":

@@ -1,129 +1,150 @@
-"""Grokking modular addition: StiefelAdam on W_Q, W_K vs AdamW vs frozen frames.
+#!/usr/bin/env python3
+"""Query/key optimisers on tasks where attention must tell tokens apart, under ``rr.compare``.
 
-Task: ``a + b mod p`` as sequences ``[a, b, =]``, predict at ``=`` (Power et al.
-2022), full-batch training on a random ``train_frac`` of the ``p**2`` pairs.
-Model: ``FiberBundleConfig.grokking`` (one pre-norm Euclidean layer), trained
-full batch by ``riemannian_ref.train``; ``W_Q`` and ``W_K`` start as the same
-Haar frames in every arm. Arms:
+Two tasks, each with one comparison (``--task``):
 
-* ``adamw``   -- AdamW on every parameter (decoupled weight decay ``wd``);
-* ``stiefel`` -- StiefelAdam: ``W_Q, W_K`` frames on St(D, d) (same ``lr``; weight
-  decay has zero Riemannian gradient there), AdamW on the rest;
-* ``stiefel_lrx`` -- as ``stiefel`` with the frame lr multiplied by
-  ``sqrt(D * d)``, so a frame step has the Frobenius length of a typical
-  AdamW step on a D x d matrix (whose entries each move about ``lr``);
-* ``frozen``  -- ``W_Q, W_K`` fixed at their random frames, AdamW on the rest.
+* ``modular``: ``a - b mod p`` (``--op``; ``"/"`` is ``a * b^-1``) as sequences
+  ``[a, b, =]``, predict at ``=``; the pairs split at random (``--train-frac``),
+  full-batch training with weight decay (the grokking setting of Power et al.
+  2022). The target is not symmetric in ``a, b``: a head that attends
+  uniformly to ``a`` and ``b`` sees ``e(a) + e(b)`` and cannot tell
+  ``a - b`` from ``b - a``, so the attention pattern must carry the order.
+* ``recall``: associative recall in its one-token-per-pair form
+  (``rr.pair_lookup``): the query must find the one pair whose key matches.
 
-Writes ``results/grokking_stiefel.json``: per arm and seed the validation and
-training accuracy over steps, the distance of the frames from initialisation,
-final numbers, the wall time and the arguments.
+Model: ``rr.FiberBundleConfig.grokking`` (one pre-norm Euclidean layer whose
+query and key maps are stored as frames ``[h, D, d]`` with orthonormal columns
+at init); every arm starts from the same frames for a given seed. Arms:
 
-Run (9 runs of 1500 steps; 16 min measured on one thread of the shared, busy
-2-core machine -- the JSON records it; `--arms stiefel_lrx` adds the fourth arm):
-    nice -n 10 python experiments/grokking_stiefel.py
+* ``adamw``            AdamW on every parameter, weight decay ``--wd`` on every matrix;
+* ``adamw_no_qk_decay`` the same without weight decay on the query/key frames;
+* ``stiefel``          StiefelAdam: the frames stay on St(D, d) (trust radius 0.1;
+  weight decay has zero Riemannian gradient there), AdamW elsewhere;
+* ``frozen``           the frames fixed at their random orthonormal init, AdamW elsewhere.
+
+Each arm's learning rate is tuned on ``--lrs`` with the tuning seeds (fewest
+steps to ``--target`` validation accuracy, ties to the lower loss), then every
+arm is trained on the evaluation seeds; ``rr.compare`` stores the curves and
+the paired statistics of the steps to ``--target`` against ``adamw``. Writes
+``--out``. Run niced:
+
+    nice -n 15 env OMP_NUM_THREADS=1 python experiments/grokking_stiefel.py --task modular \\
+        --out results/grokking_stiefel.json
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
+import sys
 import time
-from pathlib import Path
 
 import torch
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 import riemannian_ref as rr
+from riemannian_ref.protocol import Arm
 
-ARMS = ("adamw", "stiefel", "stiefel_lrx", "frozen")
-
-
-def make_optimizer(model: rr.FiberBundleTransformer, arm: str, lr: float, wd: float, betas):
-    frames = model.qk_frame_parameters()
-    frame_ids = {id(p) for p in frames}
-    rest = [p for p in model.parameters() if id(p) not in frame_ids]
-    cfg = model.config
-    if arm == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, betas=betas)
-    if arm == "frozen":
-        for p in frames:
-            p.requires_grad_(False)
-        return torch.optim.AdamW(rest, lr=lr, weight_decay=wd, betas=betas)
-    frame_lr = lr * (math.sqrt(cfg.d_model * cfg.qk_dim) if arm == "stiefel_lrx" else 1.0)
-    return rr.StiefelAdam(
-        [{"params": frames, "stiefel": True, "lr": frame_lr, "trust_radius": 0.1},
-         {"params": rest}],
-        lr=lr, weight_decay=wd, betas=betas)
+ARMS = ("adamw", "adamw_no_qk_decay", "stiefel", "frozen")
 
 
-def run_one(arm: str, seed: int, args) -> dict:
-    train, val = rr.modular_arithmetic(args.p, op="+", train_fraction=args.train_frac,
-                                       generator=torch.Generator().manual_seed(seed))
-    torch.manual_seed(1000 + seed)  # the same Haar frames in every arm of a seed
-    model = rr.FiberBundleTransformer(rr.FiberBundleConfig.grokking(
-        args.p + 1, d_model=args.d_model, n_heads=args.n_heads, head_dim=args.head_dim,
-        mlp_ratio=args.d_mlp // args.d_model))
-    frames0 = [p.detach().clone() for p in model.qk_frame_parameters()]
-    opt = make_optimizer(model, arm, args.lr, args.wd, (0.9, 0.98))
-    log = {"step": [], "train_acc": [], "val_acc": [], "train_loss": [], "frame_dist": [], "weight_norm": []}
+def make_optimizer(arm: str, wd: float, betas=(0.9, 0.98)):
+    """``(model, lr) -> optimizer`` of an arm (weight decay on matrices only, as rr.train does)."""
 
-    def record(step: int, metrics: dict) -> None:
-        tr = rr.evaluate(model, train, batch_size=len(train))
-        log["step"].append(step)
-        log["train_loss"].append(tr["loss"])
-        log["train_acc"].append(tr["accuracy"])
-        log["val_acc"].append(metrics["val_accuracy"])
-        # relative Frobenius distance of W_Q, W_K from their initial frames (mean over heads)
-        dist = [((p - p0).flatten(1).norm(dim=1) / p0.flatten(1).norm(dim=1)).mean().item()
-                for p, p0 in zip(model.qk_frame_parameters(), frames0)]
-        log["frame_dist"].append(sum(dist) / len(dist))
-        log["weight_norm"].append(math.sqrt(sum(p.detach().square().sum().item() for p in model.parameters())))
+    def build(model: rr.FiberBundleTransformer, lr: float) -> torch.optim.Optimizer:
+        frames = model.qk_frame_parameters()
+        ids = {id(p) for p in frames}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        mats = [p for p in rest if p.dim() >= 2]
+        vecs = [p for p in rest if p.dim() < 2]
+        groups = [{"params": mats, "weight_decay": wd}, {"params": vecs, "weight_decay": 0.0}]
+        if arm == "adamw":
+            return torch.optim.AdamW(groups + [{"params": frames, "weight_decay": wd}], lr=lr, betas=betas)
+        if arm == "adamw_no_qk_decay":
+            return torch.optim.AdamW(groups + [{"params": frames, "weight_decay": 0.0}], lr=lr, betas=betas)
+        if arm == "frozen":
+            for p in frames:
+                p.requires_grad_(False)
+            return torch.optim.AdamW(groups, lr=lr, betas=betas)
+        if arm == "stiefel":
+            return rr.StiefelAdam([{"params": frames, "stiefel": True, "trust_radius": 0.1}] + groups,
+                                  lr=lr, betas=betas)
+        raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
 
-    res = rr.train(model, train, val, rr.TrainConfig(
-        lr=args.lr, schedule="constant", grad_clip=None, steps=args.steps, batch_size=None,
-        eval_interval=args.eval_every, eval_batch_size=len(val)), optimizer=opt, hooks=[record])
-    va = log["val_acc"]
-    grok = next((s for s, a in zip(log["step"], va) if a >= 0.95), None)
-    return {"arm": arm, "seed": seed, "log": log, "final_val_acc": va[-1], "max_val_acc": max(va),
-            "grok_step_95": grok, "final_frame_dist": log["frame_dist"][-1], "wall_s": res.train_time_s}
+    return build
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default="modular", choices=("modular", "recall"))
+    ap.add_argument("--op", default="-", choices=("-", "/"), help="modular: the (non-symmetric) operation")
     ap.add_argument("--p", type=int, default=31)
     ap.add_argument("--train-frac", type=float, default=0.5)
+    ap.add_argument("--n-keys", type=int, default=16, help="recall")
+    ap.add_argument("--n-values", type=int, default=8, help="recall")
+    ap.add_argument("--n-pairs", type=int, default=6, help="recall")
+    ap.add_argument("--n-train", type=int, default=20000, help="recall")
+    ap.add_argument("--batch-size", type=int, default=64, help="recall (modular is full batch)")
     ap.add_argument("--d-model", type=int, default=32)
     ap.add_argument("--n-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=8)
     ap.add_argument("--d-mlp", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--wd", type=float, default=1.0)
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--eval-every", type=int, default=50)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--arms", nargs="+", default=["adamw", "stiefel", "frozen"], choices=ARMS)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="results/grokking_stiefel.json")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    runs = []
+    ap.add_argument("--lrs", default="1e-3,3e-3,1e-2")
+    ap.add_argument("--tune-seeds", default="1000")
+    ap.add_argument("--seeds", default="0,1,2,3,4")
+    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--no-progress", action="store_true")
+    a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    jobs = [(a, s) for s in args.seeds for a in args.arms]
-    for arm, seed in tqdm(jobs, desc="grokking runs"):
-        runs.append(run_one(arm, seed, args))
-    out = {
-        "experiment": "grokking_stiefel",
-        "args": vars(args),
-        "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                    "load_avg_at_end": os.getloadavg()},
-        "total_wall_s": time.perf_counter() - t0,
-        "runs": runs,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    if a.task == "modular":
+        def data(seed):
+            return rr.modular_arithmetic(a.p, op=a.op, train_fraction=a.train_frac,
+                                         generator=torch.Generator().manual_seed(seed))
+        vocab, block, n_classes, batch = a.p + 1, 3, None, None
+    else:
+        def data(seed):
+            return rr.data.make_task("lookup", seed=seed, n_train=a.n_train, n_val=512, n_keys=a.n_keys,
+                                     n_values=a.n_values, n_pairs=a.n_pairs)
+        vocab, block, n_classes, batch = a.n_keys * (a.n_values + 1), a.n_pairs + 1, a.n_values, a.batch_size
+    cfg = rr.FiberBundleConfig.grokking(vocab, block_size=block, d_model=a.d_model, n_heads=a.n_heads,
+                                        head_dim=a.head_dim, mlp_ratio=a.d_mlp // a.d_model, n_classes=n_classes)
+    names = a.arms.split(",")
+    arms = {name: Arm(lambda: rr.FiberBundleTransformer(cfg), optimizer=make_optimizer(name, a.wd))
+            for name in names}
+    config = rr.TrainConfig(steps=a.steps, batch_size=batch, eval_interval=a.eval_every, schedule="constant",
+                            warmup_steps=0, grad_clip=None, betas=(0.9, 0.98), device=a.device)
+    lrs = [float(x) for x in a.lrs.split(",")]
+    tune, seeds = [int(x) for x in a.tune_seeds.split(",")], [int(x) for x in a.seeds.split(",")]
+    bar = tqdm(total=len(names) * (len(lrs) * len(tune) + len(seeds)), disable=a.no_progress)
+
+    def progress(msg):
+        bar.set_description(msg)
+        bar.update(1)
+
+    res = rr.compare(arms, data, config, lrs=lrs, tune_seeds=tune, eval_seeds=seeds, select="steps_to_target",
+                     target=a.target, progress=progress)
+    bar.close()
+    out = {"experiment": f"grokking_stiefel_{a.task}", "args": vars(a), "model": cfg.__dict__, **res,
+           "wall_s": time.perf_counter() - t0, "python": platform.python_version(),
+           "command": "python experiments/grokking_stiefel.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(out, f, separators=(",", ":"))
+    for name in names:
+        s = res["summary"]["steps"][name]
+        st = s["steps_to_target"]
+        print(f"{name:18s} lr {res['tuned'][name]['lr']:.0e} reached {s['reached_target']}/{s['n']} "
+              f"steps {'-' if st is None else round(st['mean'])} final acc {s['val_acc']['mean']:.3f}")
+    print(f"wall {out['wall_s'] / 60:.1f} min -> {a.out}")
 
 
 if __name__ == "__main__":

@@ -45,12 +45,15 @@ MODES = rr.models.MODES
 
 @dataclass
 class TaskConfig:
-    name: str = "recall"  # "recall", "modular" or "charlm"
+    name: str = "recall"  # "recall", "lookup", "modular" or "charlm"
     vocab_size: int = 32  # recall
-    n_pairs: int = 8  # recall
+    n_pairs: int = 8  # recall, lookup
     seq_len: int = 32  # recall: sequence length; charlm: block size
-    n_train: int = 4096  # recall
-    n_val: int = 512  # recall
+    n_train: int = 4096  # recall, lookup
+    n_val: int = 512  # recall, lookup
+    n_keys: int = 16  # lookup: key symbols
+    n_values: int = 8  # lookup: value symbols (the answer classes)
+    corpus: str = "reference"  # charlm: "reference" (Python language reference) or "docstrings"
     p: int = 59  # modular
     op: str = "+"  # modular: "+", "-" or "/"
     train_fraction: float = 0.4  # modular
@@ -79,23 +82,32 @@ def task_data(tc: TaskConfig, seed: int) -> tuple[rr.TaskData, rr.TaskData]:
     if tc.name == "recall":
         return rr.data.make_task("recall", seed=seed, n_train=tc.n_train, n_val=tc.n_val,
                                  vocab_size=tc.vocab_size, n_pairs=tc.n_pairs, seq_len=tc.seq_len)
+    if tc.name == "lookup":
+        return rr.data.make_task("lookup", seed=seed, n_train=tc.n_train, n_val=tc.n_val, n_keys=tc.n_keys,
+                                 n_values=tc.n_values, n_pairs=tc.n_pairs)
     if tc.name == "modular":
         return rr.data.make_task("modular", seed=seed, p=tc.p, op=tc.op, train_fraction=tc.train_fraction)
     if tc.name == "charlm":
-        return rr.data.make_task("charlm", block_size=tc.seq_len)
-    raise ValueError(f"task must be one of 'recall', 'modular', 'charlm', got {tc.name!r}")
+        return rr.data.make_task("charlm", block_size=tc.seq_len, corpus=tc.corpus)
+    raise ValueError(f"task must be one of 'recall', 'lookup', 'modular', 'charlm', got {tc.name!r}")
 
 
-def model_config(mc: ModelConfig, vocab_size: int, block_size: int) -> rr.FiberBundleConfig:
-    """The :class:`riemannian_ref.FiberBundleConfig` of the given mode and sizes (``extra`` passed through)."""
+def model_config(mc: ModelConfig, vocab_size: int, block_size: int,
+                 n_classes: int | None = None) -> rr.FiberBundleConfig:
+    """The :class:`riemannian_ref.FiberBundleConfig` of the given mode and sizes (``extra`` passed through).
+
+    ``n_classes`` (a classification task such as ``lookup``) gives an untied head of that many outputs.
+    """
+    head = {} if n_classes is None else {"n_classes": n_classes, "tie_weights": False}
     return rr.FiberBundleConfig(vocab_size=vocab_size, block_size=block_size, d_model=mc.d_model,
                                 n_layers=mc.n_layers, n_heads=mc.n_heads, metric_rank=mc.metric_rank,
-                                mode=mc.mode, **mc.extra)
+                                mode=mc.mode, **head, **mc.extra)
 
 
-def build_model(mc: ModelConfig, vocab_size: int, block_size: int) -> torch.nn.Module:
+def build_model(mc: ModelConfig, vocab_size: int, block_size: int,
+                n_classes: int | None = None) -> torch.nn.Module:
     """A :class:`riemannian_ref.FiberBundleTransformer` of the given mode and sizes."""
-    return rr.FiberBundleTransformer(model_config(mc, vocab_size, block_size))
+    return rr.FiberBundleTransformer(model_config(mc, vocab_size, block_size, n_classes))
 
 
 def _merge(dc, updates: dict):
@@ -132,14 +144,17 @@ def default_paths(cfg: RunConfig) -> tuple[str, str]:
 def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="JSON file with {task: {...}, model: {...}, train: {...}}")
-    ap.add_argument("--task", choices=("recall", "modular", "charlm"))
+    ap.add_argument("--task", choices=("recall", "lookup", "modular", "charlm"))
     ap.add_argument("--mode", choices=MODES)
     ap.add_argument("--d-model", type=int)
     ap.add_argument("--n-layers", type=int)
     ap.add_argument("--n-heads", type=int)
     ap.add_argument("--metric-rank", type=int)
     ap.add_argument("--vocab-size", type=int, help="recall vocabulary")
-    ap.add_argument("--n-pairs", type=int, help="recall key-value pairs")
+    ap.add_argument("--n-pairs", type=int, help="recall/lookup key-value pairs")
+    ap.add_argument("--n-keys", type=int, help="lookup key symbols")
+    ap.add_argument("--n-values", type=int, help="lookup value symbols")
+    ap.add_argument("--corpus", choices=rr.data.CORPORA, help="charlm text")
     ap.add_argument("--seq-len", type=int, help="recall sequence length / charlm block size")
     ap.add_argument("--p", type=int, help="modular modulus")
     ap.add_argument("--op", choices=("+", "-", "/"), help="modular operation")
@@ -166,7 +181,7 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
         with open(a.config) as f:
             cfg = _merge(cfg, json.load(f))
     task = {"name": a.task, "vocab_size": a.vocab_size, "n_pairs": a.n_pairs, "seq_len": a.seq_len, "p": a.p,
-            "op": a.op}
+            "op": a.op, "n_keys": a.n_keys, "n_values": a.n_values, "corpus": a.corpus}
     model = {"mode": a.mode, "d_model": a.d_model, "n_layers": a.n_layers, "n_heads": a.n_heads,
              "metric_rank": a.metric_rank}
     train = {"optimizer": a.optimizer, "lr": a.lr, "weight_decay": a.weight_decay, "schedule": a.schedule,
@@ -208,7 +223,7 @@ def main(argv=None) -> dict:
             progress=not a.no_progress and rank == 0))
         train_data, val_data = task_data(tc, cfg.train.seed)
         torch.manual_seed(cfg.model_seed)
-        model = build_model(mc, train_data.vocab_size, train_data.seq_len)
+        model = build_model(mc, train_data.vocab_size, train_data.seq_len, train_data.n_classes)
         t0 = time.perf_counter()
         res = rr.train(model, train_data, val_data, cfg.train)
         wall = time.perf_counter() - t0

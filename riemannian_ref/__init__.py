@@ -12,10 +12,11 @@ needs are here (``rr.riemannian_attention``, ``rr.FiberBundleTransformer``,
 ``riemannian_ref.optim``      matrix manifolds and Riemannian Adam
 ``riemannian_ref.data``       every task the book trains on
 ``riemannian_ref.training``   the training loop
+``riemannian_ref.protocol``   the comparison protocol of every learning experiment
 ``riemannian_ref.plotting``   drawing 2-D metrics and paths (needs matplotlib)
 ==========================  ===============================================================
 """
-from . import analysis, attention, data, geometry, models, optim, plotting, training  # noqa: F401
+from . import analysis, attention, data, geometry, models, optim, plotting, protocol, training  # noqa: F401
 from .analysis import (attention_path_products, composite_norm, energy_effective_rank, fit_low_rank_kernel,
                        holonomy_defect, kernel_attention, metric_compatibility_defect, relative_residual, residual,
                        stable_rank, teacher_kernel, transport_closure_defect)
@@ -27,6 +28,7 @@ from .geometry import (LowRankMetric, MetricField, MetricNet, dot_product_form, 
 from .models import (FiberBundleConfig, FiberBundleTransformer, RecallHead, count_parameters, estimate_flops,
                      match_width)
 from .optim import LowRankAdam, Stiefel, StiefelAdam
+from .protocol import compare
 from .training import TrainConfig, TrainResult, evaluate, train
 
 __version__ = "0.2.0"
@@ -49,5 +51,5 @@ __all__ = [
     "Stiefel", "StiefelAdam", "LowRankAdam",
     # data and training
     "TaskData", "associative_recall", "pair_lookup", "modular_arithmetic", "counting", "char_lm",
-    "TrainConfig", "TrainResult", "train", "evaluate",
+    "TrainConfig", "TrainResult", "train", "evaluate", "compare",
 ]

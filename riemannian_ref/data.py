@@ -19,13 +19,15 @@ sizes are keywords with the same names everywhere (``n_examples``,
 - :func:`counting`: for every token, how many tokens of its sequence share its
   symbol (a per-token classification that a collapsed representation cannot solve).
 - :func:`char_lm`: characters of real English text that ships with every
-  Python >= 3.10: the docstrings of a fixed list of standard-library modules,
-  read from their source files with :mod:`ast` (so they exist even under
-  ``python -OO``), with a held-out tail.
+  CPython: the Python language reference of :mod:`pydoc_data.topics` (about
+  465,000 characters of prose and code; the default, split into training and
+  validation by topic, :func:`python_reference_topics`), or the docstrings of a
+  fixed list of standard-library modules (:func:`stdlib_docstring_text`).
 """
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -41,7 +43,9 @@ __all__ = [
     "counting",
     "char_lm",
     "stdlib_docstring_text",
+    "python_reference_topics",
     "STDLIB_TEXT_MODULES",
+    "CORPORA",
     "make_task",
 ]
 
@@ -402,32 +406,73 @@ def stdlib_docstring_text(modules: tuple[str, ...] = STDLIB_TEXT_MODULES) -> str
     return text.encode("ascii", "ignore").decode("ascii")
 
 
-def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | None = None,
-            text: str | None = None) -> tuple[TaskData, TaskData, dict]:
-    r"""Character-level language modelling on :func:`stdlib_docstring_text`.
+#: The accepted values of ``char_lm(corpus=...)``.
+CORPORA = ("reference", "docstrings")
 
-    The text is encoded with its sorted character set (the alphabet of the
-    whole text, so both splits share it); the last
-    ``int(len(text) * val_fraction)`` characters are held out. Each split is
-    cut into windows of ``block_size + 1`` characters starting every
-    ``stride`` characters (an incomplete last window is dropped); ``x`` is a
-    window's first ``block_size`` characters, ``y`` the same shifted by one,
-    and every position is scored. Deterministic: there is no seed.
+
+def python_reference_topics() -> dict[str, str]:
+    """The Python language reference that ships with CPython, topic by topic.
+
+    :mod:`pydoc_data.topics` holds the text ``help()`` shows for keywords and
+    language topics ("assert", "assignment", "class", ...): the language
+    reference and parts of the library reference as plain text, about 80
+    topics and 465,000 characters in CPython 3.11 (the text changes slightly
+    between versions). Non-ASCII characters (a few hundred) are removed.
+
+    Returns
+    -------
+    dict of str to str
+        Topic name to its text, in sorted order of the names.
+
+    Raises
+    ------
+    RuntimeError
+        If this Python has no :mod:`pydoc_data` (a stripped installation).
+    """
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as e:  # pragma: no cover - every CPython ships it
+        raise RuntimeError(f"pydoc_data.topics is missing from this Python ({sys.version.split()[0]})") from e
+    return {name: topics[name].encode("ascii", "ignore").decode("ascii") for name in sorted(topics)}
+
+
+def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | None = None,
+            text: str | None = None, corpus: str = "reference") -> tuple[TaskData, TaskData, dict]:
+    r"""Character-level language modelling on real text that ships with Python.
+
+    ``corpus="reference"`` (default): the Python language reference,
+    :func:`python_reference_topics`, split **by topic** so that no topic is
+    in both splits: the topics, ordered by the SHA-256 of their names (a
+    fixed, name-determined shuffle), go to validation one by one until it
+    holds at least ``val_fraction`` of the characters; the rest train. Each
+    split is its topics in name order, separated by blank lines.
+    ``corpus="docstrings"`` or a given ``text``: the last
+    ``int(len(text) * val_fraction)`` characters are held out
+    (:func:`stdlib_docstring_text` is the docstrings corpus).
+
+    The text is encoded with its sorted character set (the alphabet of both
+    splits together). Each split is cut into windows of ``block_size + 1``
+    characters starting every ``stride`` characters (an incomplete last
+    window is dropped); ``x`` is a window's first ``block_size`` characters,
+    ``y`` the same shifted by one, and every position is scored.
+    Deterministic: there is no seed.
 
     Parameters
     ----------
     block_size : int, default 64
         Sequence length :math:`n` of an example.
     val_fraction : float, default 0.1
-        Fraction of the text held out for validation, in ``(0, 1)``. Each
-        split needs at least ``block_size + 1`` characters, or
+        Fraction of the characters held out for validation, in ``(0, 1)``.
+        Each split needs at least ``block_size + 1`` characters, or
         ``ValueError``.
     stride : int or None, default None
         Offset between the starts of consecutive windows; None:
         ``block_size`` (windows share one character, so the targets of
         consecutive windows do not overlap).
     text : str or None, default None
-        The corpus; None: :func:`stdlib_docstring_text`.
+        A corpus of your own (split by its tail); None: ``corpus``.
+    corpus : {"reference", "docstrings"}, default "reference"
+        Which text that ships with Python (ignored when ``text`` is given).
 
     Returns
     -------
@@ -436,31 +481,53 @@ def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | No
         ``vocab_size`` is the alphabet size.
     info : dict
         ``chars`` (the alphabet, a str in id order), ``n_chars`` (text
-        length), ``source`` (where the text came from).
+        length, both splits), ``n_val_chars``, ``source`` (where the text came
+        from) and, for the reference, ``val_topics`` (names of the held-out
+        topics).
     """
     _positive_int(block_size, "block_size", 1)
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction!r}")
+    if corpus not in CORPORA:
+        raise ValueError(f"corpus must be one of {CORPORA}, got {corpus!r}")
     stride = block_size if stride is None else _positive_int(stride, "stride")
     if text is not None and not isinstance(text, str):
         raise ValueError(f"text must be a str or None, got {type(text).__name__}")
-    source = "given text"
-    if text is None:
-        text = stdlib_docstring_text()
-        source = f"docstrings of {len(STDLIB_TEXT_MODULES)} stdlib modules, Python {sys.version.split()[0]}"
-    chars = sorted(set(text))
+    info: dict = {}
+    if text is None and corpus == "reference":
+        topics = python_reference_topics()
+        total = sum(len(t) for t in topics.values())
+        val_topics, n_held = [], 0
+        for name in sorted(topics, key=lambda t: hashlib.sha256(t.encode()).hexdigest()):
+            if n_held >= val_fraction * total:
+                break
+            val_topics.append(name)
+            n_held += len(topics[name])
+        parts = {"train": "\n\n".join(t for name, t in topics.items() if name not in val_topics),
+                 "val": "\n\n".join(t for name, t in topics.items() if name in val_topics)}
+        info["val_topics"] = sorted(val_topics)
+        info["source"] = (f"Python language reference (pydoc_data.topics, {len(topics)} topics), "
+                          f"Python {sys.version.split()[0]}")
+    else:
+        source = "given text"
+        if text is None:
+            text = stdlib_docstring_text()
+            source = f"docstrings of {len(STDLIB_TEXT_MODULES)} stdlib modules, Python {sys.version.split()[0]}"
+        n_val = int(len(text) * val_fraction)
+        parts = {"train": text[: len(text) - n_val], "val": text[len(text) - n_val:]}
+        info["source"] = source
+    chars = sorted(set(parts["train"]) | set(parts["val"]))
     lookup = {c: i for i, c in enumerate(chars)}
-    ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
-    n_val = int(len(ids) * val_fraction)
-    splits = {"train": ids[: len(ids) - n_val], "val": ids[len(ids) - n_val:]}
     out = []
-    for split, s in splits.items():
+    for split, part in parts.items():
+        s = torch.tensor([lookup[c] for c in part], dtype=torch.long)
         if len(s) < block_size + 1:
             raise ValueError(f"the {split} split has {len(s)} characters, fewer than block_size + 1 = {block_size + 1}")
         w = s.unfold(0, block_size + 1, stride)  # (N, block_size + 1)
         x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
         out.append(TaskData(x, y, torch.ones_like(x, dtype=torch.bool), len(chars), f"charlm({split})"))
-    return out[0], out[1], {"chars": "".join(chars), "n_chars": len(text), "source": source}
+    info.update(chars="".join(chars), n_chars=len(parts["train"]) + len(parts["val"]), n_val_chars=len(parts["val"]))
+    return out[0], out[1], info
 
 
 def make_task(name: str, *, seed: int = 0, **kw) -> tuple[TaskData, TaskData]:

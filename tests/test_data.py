@@ -148,7 +148,7 @@ def test_char_lm_shift_and_heldout_split():
     assert text[cut - 100:cut] not in decode(va.x.flatten())
 
 
-def test_char_lm_given_text_round_trips_and_default_is_the_stdlib():
+def test_char_lm_given_text_round_trips():
     text = "the quick brown fox jumps over the lazy dog. " * 4
     tr, va, info = rr.char_lm(block_size=8, val_fraction=0.25, stride=4, text=text)
     decode = lambda ids: "".join(info["chars"][i] for i in ids.tolist())  # noqa: E731
@@ -161,6 +161,31 @@ def test_char_lm_given_text_round_trips_and_default_is_the_stdlib():
         rr.char_lm(text=text, val_fraction=1.0)
     with pytest.raises(ValueError, match="fewer than block_size"):
         rr.char_lm(text=text, block_size=100)
+
+
+def test_char_lm_default_is_the_language_reference_split_by_topic():
+    topics = data.python_reference_topics()
+    assert len(topics) > 50 and list(topics) == sorted(topics) and all(t.isascii() for t in topics.values())
+    tr, va, info = rr.char_lm(block_size=64)
+    assert info["source"].startswith("Python language reference") and info["n_chars"] > 400_000
+    val_topics = set(info["val_topics"])
+    assert val_topics and val_topics < set(topics)
+    val_text = "\n\n".join(topics[n] for n in sorted(val_topics))
+    train_text = "\n\n".join(t for n, t in topics.items() if n not in val_topics)
+    assert info["n_val_chars"] == len(val_text) and info["n_chars"] == len(val_text) + len(train_text)
+    # at least val_fraction of the characters, and removing the last held-out topic would go below it
+    assert 0.1 <= len(val_text) / info["n_chars"] < 0.1 + max(len(topics[n]) for n in val_topics) / info["n_chars"]
+    decode = lambda ids: "".join(info["chars"][i] for i in ids.tolist())  # noqa: E731
+    assert decode(tr.x[0]) == train_text[:64] and decode(va.x[0]) == val_text[:64]
+    assert decode(va.y[-1]) in val_text and decode(tr.y[-1]) in train_text
+    assert len(tr) == (len(train_text) - 1) // 64 and len(va) == (len(val_text) - 1) // 64
+    # deterministic: a second call gives the same split
+    tr2, va2, info2 = rr.char_lm(block_size=64)
+    assert torch.equal(tr.x, tr2.x) and torch.equal(va.x, va2.x) and info2 == info
+    docs_tr, _, docs = rr.char_lm(block_size=64, corpus="docstrings")
+    assert docs["source"].startswith("docstrings") and "val_topics" not in docs
+    with pytest.raises(ValueError, match="corpus"):
+        rr.char_lm(corpus="wikipedia")
 
 
 # ---- make_task ------------------------------------------------------------

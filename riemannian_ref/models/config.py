@@ -321,7 +321,7 @@ class FiberBundleConfig:
 
     @property
     def scales_residual(self) -> bool:
-        """Whether residual-branch output projections are divided by :math:`\sqrt{2L}` at init."""
+        r"""Whether residual-branch output projections are divided by :math:`\sqrt{2L}` at init."""
         return self.scale_residual and (self.init == "gpt2" or self.skip)
 
     @property
