@@ -188,11 +188,16 @@ def machine_info(threads):
 
 
 def plan(args):
-    """(side, B, threads, n, r) of every timed configuration, in the order they run."""
-    grid = [("key", B, t, n, r) for t in args.threads for B in args.B for n in args.ns for r in args.ranks]
+    """(side, B, threads, n, r) of every timed configuration, in the order they run.
+
+    Shortest sequences first (all batches, threads, sides and ranks of one n
+    before the next n), so that a run cut short for time still covers the
+    whole grid up to some n.
+    """
+    grid = [("key", B, t, n, r) for B in args.B for t in args.threads for n in args.ns for r in args.ranks]
     grid += [(side, args.side_B, t, n, r) for side in args.sides for t in args.threads for n in args.side_ns
              for r in args.ranks]
-    return grid
+    return sorted(grid, key=lambda c: (c[3], c[0] != "key", c[1], c[2], c[4]))
 
 
 def main():
@@ -233,6 +238,19 @@ def main():
     print(f"# {info['cpu']}, torch {info['torch']}, load {info['load_before'][0]:.2f}")
     print(f"{'side':>5} {'B':>2} {'thr':>3} {'n':>5} {'r':>2} {'pass':>8} {'SDPA ms':>9} {'ours ms':>9} "
           f"{'ratio':>6} {'pred':>5} {'meas/pred':>9}")
+    if not args.no_mem:
+        n = max(args.ns)
+        for backward in (False, True):
+            base, base_floor = measure_mem(args, n, 1, "sdpa", backward)
+            for r in args.mem_ranks or args.ranks:
+                ours, floor = measure_mem(args, n, r, "rr", backward)
+                mem.append(dict(n=n, r=r, B=args.mem_B, passes="fwd+bwd" if backward else "fwd",
+                                sdpa_MiB=base / 2 ** 20, ours_MiB=ours / 2 ** 20, ratio=ours / max(base, 1),
+                                sdpa_floor_MiB=base_floor / 2 ** 20, floor_MiB=floor / 2 ** 20,
+                                floor_ratio=floor / max(base, 1)))
+                print(f"memory n={n} r={r} {mem[-1]['passes']}: SDPA {base / 2 ** 20:.1f} MiB, "
+                      f"ours {ours / 2 ** 20:.1f} MiB, ratio {ours / max(base, 1):.2f} "
+                      f"(output + gradients alone {floor / 2 ** 20:.1f} MiB)", flush=True)
     for side, B, threads, n, r in plan(args):
         torch.set_num_threads(threads)
         for backward in (False, True):
@@ -247,19 +265,6 @@ def main():
             print(f"{side:>5} {B:>2} {threads:>3} {n:>5} {r:>2} {row['passes']:>8} {ts * 1e3:9.1f} "
                   f"{to * 1e3:9.1f} {ratio:6.2f} {pred:5.2f} {ratio / pred:9.2f}", flush=True)
         write(args, info, rows, mem, t_start)
-    if not args.no_mem:
-        n = max(args.ns)
-        for backward in (False, True):
-            base, base_floor = measure_mem(args, n, 1, "sdpa", backward)
-            for r in args.mem_ranks or args.ranks:
-                ours, floor = measure_mem(args, n, r, "rr", backward)
-                mem.append(dict(n=n, r=r, B=args.mem_B, passes="fwd+bwd" if backward else "fwd",
-                                sdpa_MiB=base / 2 ** 20, ours_MiB=ours / 2 ** 20, ratio=ours / max(base, 1),
-                                sdpa_floor_MiB=base_floor / 2 ** 20, floor_MiB=floor / 2 ** 20,
-                                floor_ratio=floor / max(base, 1)))
-                print(f"memory n={n} r={r} {mem[-1]['passes']}: SDPA {base / 2 ** 20:.1f} MiB, "
-                      f"ours {ours / 2 ** 20:.1f} MiB, ratio {ours / max(base, 1):.2f} "
-                      f"(output + gradients alone {floor / 2 ** 20:.1f} MiB)", flush=True)
     write(args, info, rows, mem, t_start)
 
 
