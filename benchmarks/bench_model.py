@@ -4,9 +4,9 @@
     nice python benchmarks/bench_model.py            # the table (about 15 min on 2 shared cores)
     python benchmarks/bench_model.py --quick         # a minute
 
-For every sequence length n and mode (``FiberBundleConfig.small``: 4 layers,
-4 heads, metric rank 4, resized by ``match_width`` to the Euclidean model's
-parameter count), one training step (forward, cross-entropy, backward, AdamW)
+For every sequence length n and mode (``FiberBundleConfig.small`` with width
+128 and two heads of dimension 64: 4 layers, metric rank 4, resized by
+``match_width`` to the Euclidean model's parameter count), one training step (forward, cross-entropy, backward, AdamW)
 on a batch of ``--batch`` random token sequences is timed alternately with the
 Euclidean model's step (``--reps`` rounds; the median of the per-round ratios),
 on all cores. Next to it:
@@ -54,10 +54,15 @@ MODES = {"euclidean": dict(mode="euclidean"), "riemannian": dict(mode="riemannia
          "fiber_bundle": dict(mode="fiber_bundle"), "fiber_bundle/flat": dict(mode="fiber_bundle", connection="flat")}
 
 
+# The small preset with the head dimension of real models (64; two heads): at the preset's d = 16 every
+# kernel is bound by memory traffic rather than arithmetic and no FLOP count predicts time.
+BASE = dict(d_model=128, n_heads=2, head_dim=64)
+
+
 def config(mode: str, n: int) -> rr.FiberBundleConfig:
     """The mode's config at sequence length n, resized to the Euclidean model's parameter count."""
-    eu = rr.FiberBundleConfig.small(block_size=n, mode="euclidean")
-    cfg = rr.FiberBundleConfig.small(block_size=n, **MODES[mode])
+    eu = rr.FiberBundleConfig.small(block_size=n, mode="euclidean", **BASE)
+    cfg = rr.FiberBundleConfig.small(block_size=n, **BASE, **MODES[mode])
     if mode == "euclidean":
         return cfg
     return rr.match_width(cfg, rr.count_parameters(eu)["total"])
@@ -152,7 +157,7 @@ def main():
         print(mem_child(mode, int(n), int(batch)))
         return
     if args.quick:
-        args.ns, args.reps, args.min_time = [128, 256], 2, 0.1
+        args.reps, args.min_time = 2, 0.1
     t_start = time.time()
     threads = torch.get_num_threads()
     info = machine_info(threads)
@@ -218,8 +223,8 @@ def write(args, info, rows, t_start):
     out.with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
     lines = ["# Training step of the Fiber Bundle Transformer against the Euclidean model (CPU)", "",
              f"Machine: {info['cpu']} ({info['cores']} cores, shared with other jobs), torch {info['torch']}, "
-             f"{info['threads']} threads, float32. `FiberBundleConfig.small` (4 layers, 4 heads, metric rank 4) in "
-             f"each mode, width matched to the Euclidean model's parameter count; batch {info['batch']}, seed 0; "
+             f"{info['threads']} threads, float32. `FiberBundleConfig.small(d_model=128, n_heads=2, head_dim=64)` (4 layers, metric "
+             f"rank 4) in each mode, width matched to the Euclidean model's parameter count; batch {info['batch']}, seed 0; "
              f"AdamW step. Ratios: medians over {info['reps']} alternating rounds. Load average (1, 5, 15 min) "
              f"before: {', '.join(f'{x:.2f}' for x in info['load_before'])}; after: "
              f"{', '.join(f'{x:.2f}' for x in info['load_after'])}. Wall time {info['wall_s'] / 60:.0f} min. "
