@@ -48,7 +48,8 @@ def count_parameters(model_or_config) -> dict[str, int]:
     Components: embedding, positions, attention (q/k frames, v, out), metric
     (attention metric nets), connection (content-rate maps), ffn, ffn_metric
     (metric of the preconditioned FFN and eta), norms, head (0 when tied).
-    A config is instantiated on the CPU without consuming the caller's random
+    A config is instantiated on the ``meta`` device (shapes without storage),
+    so counting a billion-parameter config costs no memory and draws no random
     numbers.
 
     Parameters
@@ -62,7 +63,8 @@ def count_parameters(model_or_config) -> dict[str, int]:
         One count per component above, and ``"total"``.
     """
     if isinstance(model_or_config, FiberBundleConfig):
-        with torch.random.fork_rng(devices=[]):  # counting leaves the caller's random stream alone
+        # on the meta device: shapes only, no memory (a 7B config counts in a second), no random numbers drawn
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = FiberBundleTransformer(model_or_config)
     elif isinstance(model_or_config, nn.Module):
         model = model_or_config
