@@ -97,3 +97,11 @@ def test_pairwise_terms_and_memory_scale_as_expected():
 def test_bad_arguments_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         estimate_cost(rr.FiberBundleConfig.tiny(), **kw)
+
+
+def test_parameter_total_of_the_cost_model_is_count_parameters():
+    from riemannian_ref.models.budget import _parameter_total
+
+    for mode in ("euclidean", "riemannian", "fiber_bundle"):
+        cfg = rr.FiberBundleConfig.small(mode=mode, n_layers=5)
+        assert _parameter_total(cfg) == rr.count_parameters(cfg)["total"]

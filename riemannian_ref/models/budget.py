@@ -10,6 +10,8 @@ parameter budget, so that modes can be compared at matched size.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -187,6 +189,13 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
 _COST_PARTS = ("attention", "metric", "connection", "ffn", "ffn_metric", "head")
 
 
+@functools.lru_cache(maxsize=256)
+def _parameter_total(config: FiberBundleConfig) -> int:
+    """Parameters of a config, from one- and two-layer copies (blocks are identical): fast at any depth."""
+    one, two = (count_parameters(config.replace(n_layers=k))["total"] for k in (1, 2))
+    return one + (config.n_layers - 1) * (two - one)
+
+
 def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batch: int = 1,
                   causal_skip: bool = False, dtype_bytes: int = 4, optimizer_states: int = 2) -> dict:
     r"""FLOPs and memory of one training step (forward and backward), by component, as this package runs it.
@@ -342,7 +351,7 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
         f["total"] = sum(f.values())
         flops[p] = f
     flops["total"] = {k: sum(flops[p][k] for p in _COST_PARTS) for k in flops["attention"]}
-    P = count_parameters(cfg)["total"]
+    P = _parameter_total(cfg)
     act_b = {p: batch * dtype_bytes * v for p, v in act.items()}
     memory = dict(parameters=4 * P, gradients=4 * P, optimizer=4 * P * optimizer_states, activations=act_b,
                   pairwise=batch * dtype_bytes * pairwise)
