@@ -66,6 +66,7 @@ SWITCHES = [  # (what, attribute, alternative value, the operator's value)
     ("online softmax vs fixed offset", "_FIXED_OFFSET", False, True),
     ("row sum as its own pass vs P @ [V | 1]", "_ROWSUM_IN_PRODUCT", False, True),
     ("whole batch per tile vs chunks of the batch", "_CHUNK_TILE", 0, bw._CHUNK_TILE),
+    ("multi-threaded kernels vs threads over chunks", "_THREADS_OVER_CHUNKS", False, True),
 ]
 
 

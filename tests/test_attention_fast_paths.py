@@ -132,3 +132,27 @@ def test_dead_rows_with_causal_and_key_padding():
     dead = bw._dead_rows(keep.view(1, 1, 4), True, 1, 4, 4)
     assert dead.tolist() == [[True, True, False, False]]  # causal rows 0, 1 see only padding
     assert bw._dead_rows(keep.view(1, 1, 4), False, 1, 4, 4).tolist() == [[False] * 4]
+
+
+@pytest.mark.parametrize("side", ["key", "mean"])
+def test_threads_over_chunks_equal_the_reference(switches, side):
+    """Two worker threads over chunks of the batch: the same outputs and gradients; the caller's threads kept."""
+    switches(True, True, 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(3)
+        q, k, v, Uq, Uk, lam = _inputs(g, B=3, h=2, nq=10, nk=9)
+        Uq = Uq if side == "mean" else None
+        leaves = [t.requires_grad_(True) for t in (q, k, v, Uk, lam)]
+        keep = torch.rand(3, 1, 10, 9, generator=g) > 0.3
+        kw = dict(U_q=Uq, U_k=Uk, lam=lam, metric_side=side, is_causal=True)
+        out = rr.riemannian_attention(q, k, v, keep, block_sizes=(4, 3), **kw)
+        assert bw._POOL_SIZE == 2 and torch.get_num_threads() == 2  # the pool ran; this thread keeps its 2
+        ref = rr.riemannian_attention_reference(q, k, v, keep, **kw)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+        w = torch.randn(out.shape, generator=g, dtype=F64)
+        for a, b in zip(torch.autograd.grad((out * w).sum(), leaves), torch.autograd.grad((ref * w).sum(), leaves)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+    finally:
+        torch.set_num_threads(before)

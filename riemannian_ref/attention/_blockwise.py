@@ -66,6 +66,8 @@ each of these off in the operator itself and measures what it is worth.
 from __future__ import annotations
 
 import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -79,6 +81,7 @@ _NEG_INF = float("-inf")
 _FIXED_OFFSET = True  # False: the online softmax (running maximum and rescaling) for every row
 _ROWSUM_IN_PRODUCT = True  # False: the row sum as a separate pass over each tile
 _CHUNK_TILE = 2 ** 17  # products per thread and chunk; 0: the whole batch in every tile
+_THREADS_OVER_CHUNKS = True  # False: one thread issues every chunk, each kernel multi-threaded
 _MARGIN = 64.0  # bits a later key may exceed the offset by (no float32 overflow: 2^64 * n * |v|)
 _TINY_SUM = 2.0 ** -60  # a row sum below this triggers the online fallback
 
@@ -421,6 +424,60 @@ def _chunk_online(q, k, v, lam, W, Uk, Uq, mask, causal, s2, ck2, cq2, bq, bk, b
     return acc, l, off
 
 
+# Threads over independent chunks of the batch, the way PyTorch's CPU flash-attention kernel runs threads
+# over independent tiles: each worker runs its chunks one after another with single-threaded kernels. Many
+# small multi-threaded kernels instead pay a fork-join per call, and on a machine shared with other jobs a
+# descheduled thread stalls every one of them.
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+_POOL_LOCK = threading.Lock()
+
+
+def _single_threaded_worker() -> None:
+    torch.get_num_threads()  # this thread's OpenMP/MKL settings from the process default, first ...
+    torch.set_num_threads(1)  # ... then its own (thread-local) single thread
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _POOL, _POOL_SIZE
+    with _POOL_LOCK:
+        if _POOL is None or _POOL_SIZE != workers:
+            if _POOL is not None:
+                _POOL.shutdown(wait=True)
+            main = torch.get_num_threads()
+            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="rr-attention",
+                                       initializer=_single_threaded_worker)
+            ready = threading.Barrier(workers)
+            list(_POOL.map(lambda _: ready.wait(), range(workers)))  # start (and initialise) every worker
+            torch.set_num_threads(main)  # the process default again; the workers keep their own setting
+            _POOL_SIZE = workers
+        return _POOL
+
+
+def _plan_chunks(Bf: int, bq: int, bk: int, width: int, serial: bool):
+    """(workers, chunk size, chunk slices): one worker per thread when there are chunks enough."""
+    threads = torch.get_num_threads()
+    workers = 1 if serial or not _THREADS_OVER_CHUNKS else min(threads, Bf)
+    cb = batch_chunk_for(Bf, bq, bk, width, 1 if workers > 1 else threads)
+    chunks = [slice(c0, min(c0 + cb, Bf)) for c0 in range(0, Bf, cb)]
+    return min(workers, len(chunks)), cb, chunks
+
+
+def _run_chunks(run, chunks: list, workers: int) -> None:
+    """``run(group)`` for ``workers`` balanced groups of chunks: here, or one group per pool thread."""
+    if workers <= 1:
+        run(chunks)
+        return
+
+    def task(group):
+        with torch.no_grad():  # grad mode is per thread: the workers only fill preallocated results
+            run(group)
+
+    groups = [chunks[i::workers] for i in range(workers)]
+    for f in [_pool(workers).submit(task, g) for g in groups]:
+        f.result()
+
+
 class _RiemannianAttentionFn(torch.autograd.Function):
     """Blockwise forward with a fixed softmax offset; backward recomputes every tile.
 
@@ -446,25 +503,28 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         rq = Uq.shape[-1] if Uq is not None else 0
         bq, bk = blocks
         s2, ck2, cq2 = _base2(scale, ck, cq)
-        cb = batch_chunk_for(Bf, bq, bk, 1 + rk + rq)
+        workers, cb, chunks = _plan_chunks(Bf, bq, bk, 1 + rk + rq, serial=False)
         masks = _MaskChunks(mask, batch, False) if mask is not None else None
-        bufs = _buffers(q, cb, n_q, n_k, bq, bk, rk, rq)
         out = q.new_empty(Bf, n_q, dv)
         lse = q.new_empty(Bf, n_q)
         tiny = torch.finfo(q.dtype).tiny
-        for c0 in range(0, Bf, cb):
-            c = slice(c0, min(c0 + cb, Bf))
-            args = (q[c], k[c], v[c], lam[c], W[c] if W is not None else None, Uk[c] if rk else None,
-                    Uq[c] if rq else None, masks.chunk(c.start, c.stop) if masks else None, causal,
-                    s2, ck2, cq2, bq, bk, bufs)
-            acc, l, off = (_chunk_fixed if _FIXED_OFFSET else _chunk_online)(*args)
-            if _FIXED_OFFSET:
-                small = l < _TINY_SUM
-                if small.any() and (small & ~_dead_rows(args[7], causal, l.shape[0], n_q, n_k)).any():
-                    acc, l, off = _chunk_online(*args)  # every key far below the bound: underflow
-            out[c] = acc[..., :dv] / l.clamp_min(tiny).unsqueeze(-1)  # rows that see no key: 0 / tiny = 0
-            # rows that see no key: lse = +inf, so that exp2(S - lse) = 0 in the backward
-            lse[c] = torch.where(l > 0, off + torch.log2(l.clamp_min(tiny)), float("inf"))
+
+        def run(group):  # one worker's chunks, with its own buffers
+            bufs = _buffers(q, cb, n_q, n_k, bq, bk, rk, rq)
+            for c in group:
+                args = (q[c], k[c], v[c], lam[c], W[c] if W is not None else None, Uk[c] if rk else None,
+                        Uq[c] if rq else None, masks.chunk(c.start, c.stop) if masks else None, causal,
+                        s2, ck2, cq2, bq, bk, bufs)
+                acc, l, off = (_chunk_fixed if _FIXED_OFFSET else _chunk_online)(*args)
+                if _FIXED_OFFSET:
+                    small = l < _TINY_SUM
+                    if small.any() and (small & ~_dead_rows(args[7], causal, l.shape[0], n_q, n_k)).any():
+                        acc, l, off = _chunk_online(*args)  # every key far below the bound: underflow
+                out[c] = acc[..., :dv] / l.clamp_min(tiny).unsqueeze(-1)  # rows that see no key: 0 / tiny = 0
+                # rows that see no key: lse = +inf, so that exp2(S - lse) = 0 in the backward
+                lse[c] = torch.where(l > 0, off + torch.log2(l.clamp_min(tiny)), float("inf"))
+
+        _run_chunks(run, chunks, workers)
         ctx.save_for_backward(q, k, v, lam, W, Uk, Uq, mask, out, lse)
         ctx.consts = (causal, scale, ck, cq, blocks, batch)
         return out
@@ -485,25 +545,28 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         n_k = k.shape[1]
         rk = Uk.shape[-1] if Uk is not None else 0
         rq = Uq.shape[-1] if Uq is not None else 0
-        cb = batch_chunk_for(Bf, bq, bk, 1 + rk + rq)
+        # a float mask's gradient is summed over batch elements that share it: chunks in one thread
+        workers, cb, chunks = _plan_chunks(Bf, bq, bk, 1 + rk + rq, serial=need_mask)
         masks = _MaskChunks(mask, batch, need_mask) if mask is not None else None
         dout = dout.contiguous()
-        bufs = _buffers(q, cb, n_q, n_k, bq, bk, rk, rq)
-        dpbuf = q.new_empty(cb * min(bq, n_q) * min(bk, n_k))
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dUk = torch.zeros_like(Uk) if rk else None
         dUq = torch.empty_like(Uq) if rq else None
         dlam = torch.zeros_like(lam) if need_lam else None
         dW = torch.zeros_like(W) if W is not None else None
-        for c0 in range(0, Bf, cb):
-            c = slice(c0, min(c0 + cb, Bf))
-            m_c = masks.chunk(c.start, c.stop) if masks else None
-            lam_c, W_c = lam[c], W[c] if W is not None else None
-            _chunk_backward(ctx, q[c], k[c], v[c], lam_c, W_c, Uk[c] if rk else None, Uq[c] if rq else None,
-                            m_c, causal, s2, ck2, cq2, bq, bk, bufs, dpbuf, out[c], lse[c], dout[c],
-                            dq[c], dk[c], dv[c], dUk[c] if rk else None, dUq[c] if rq else None,
-                            dlam[c] if need_lam else None, dW[c] if W is not None else None, need_lam,
-                            (masks, c0) if need_mask else None)
+
+        def run(group):  # one worker's chunks, with its own buffers; every gradient slice is its own
+            bufs = _buffers(q, cb, n_q, n_k, bq, bk, rk, rq)
+            dpbuf = q.new_empty(cb * min(bq, n_q) * min(bk, n_k))
+            for c in group:
+                m_c = masks.chunk(c.start, c.stop) if masks else None
+                _chunk_backward(ctx, q[c], k[c], v[c], lam[c], W[c] if W is not None else None,
+                                Uk[c] if rk else None, Uq[c] if rq else None, m_c, causal, s2, ck2, cq2, bq, bk,
+                                bufs, dpbuf, out[c], lse[c], dout[c], dq[c], dk[c], dv[c],
+                                dUk[c] if rk else None, dUq[c] if rq else None, dlam[c] if need_lam else None,
+                                dW[c] if W is not None else None, need_lam, (masks, c.start) if need_mask else None)
+
+        _run_chunks(run, chunks, workers)
         dmask = masks.grad_like_mask() if need_mask else None
         return dq, dk, dv, dlam, dW, dUk, dUq, dmask, None, None, None, None, None, None
 
