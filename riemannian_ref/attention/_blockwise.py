@@ -454,10 +454,11 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOL
 
 
-def _plan_chunks(Bf: int, bq: int, bk: int, width: int, serial: bool):
-    """(workers, chunk size, chunk slices): one worker per thread when there are chunks enough."""
+def _plan_chunks(Bf: int, bq: int, bk: int, width: int, serial: bool, device: torch.device):
+    """(workers, chunk size, chunk slices): one worker per CPU thread when there are chunks enough."""
     threads = torch.get_num_threads()
-    workers = 1 if serial or not _THREADS_OVER_CHUNKS else min(threads, Bf)
+    serial = serial or not _THREADS_OVER_CHUNKS or device.type != "cpu"  # a GPU queues kernels anyway
+    workers = 1 if serial else min(threads, Bf)
     cb = batch_chunk_for(Bf, bq, bk, width, 1 if workers > 1 else threads)
     chunks = [slice(c0, min(c0 + cb, Bf)) for c0 in range(0, Bf, cb)]
     return min(workers, len(chunks)), cb, chunks
@@ -503,7 +504,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         rq = Uq.shape[-1] if Uq is not None else 0
         bq, bk = blocks
         s2, ck2, cq2 = _base2(scale, ck, cq)
-        workers, cb, chunks = _plan_chunks(Bf, bq, bk, 1 + rk + rq, serial=False)
+        workers, cb, chunks = _plan_chunks(Bf, bq, bk, 1 + rk + rq, False, q.device)
         masks = _MaskChunks(mask, batch, False) if mask is not None else None
         out = q.new_empty(Bf, n_q, dv)
         lse = q.new_empty(Bf, n_q)
@@ -546,7 +547,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         rk = Uk.shape[-1] if Uk is not None else 0
         rq = Uq.shape[-1] if Uq is not None else 0
         # a float mask's gradient is summed over batch elements that share it: chunks in one thread
-        workers, cb, chunks = _plan_chunks(Bf, bq, bk, 1 + rk + rq, serial=need_mask)
+        workers, cb, chunks = _plan_chunks(Bf, bq, bk, 1 + rk + rq, need_mask, q.device)
         masks = _MaskChunks(mask, batch, need_mask) if mask is not None else None
         dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
