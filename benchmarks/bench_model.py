@@ -20,7 +20,8 @@ on all cores. Next to it:
   layers, over the step time), next to the FLOP shares of the model;
 * peak extra memory of one step in a fresh process (resident-set high-water
   mark minus the resident set before the step, the second step measured),
-  next to ``estimate_cost``'s total.
+  next to what ``estimate_cost`` says a step allocates: activations and
+  gradients (the weights and Adam's states exist before the step).
 
 The content connection (the ``"fiber_bundle"`` default) transports every
 pair densely: its activations grow as n^2 d per layer, so it runs only where
@@ -133,6 +134,12 @@ def measure_mem(mode, n, batch):
     return int(res.stdout.strip().splitlines()[-1])
 
 
+def step_bytes(cost):
+    """What a step allocates beyond what it starts with: activations and gradients (not weights, not Adam)."""
+    m = cost["memory"]
+    return sum(m["activations"].values()) + m["gradients"]
+
+
 def flop_shares(cost):
     f = cost["flops"]
     tot = f["total"]["total"]
@@ -174,7 +181,7 @@ def main():
             cost = estimate_cost(cfg, n, batch=args.batch)
             row = dict(n=n, mode=mode, d_model=cfg.d_model, params=rr.count_parameters(cfg)["total"],
                        flop_ratio=cost["flops"]["total"]["total"] / eu_cost["flops"]["total"]["total"],
-                       flop_shares=flop_shares(cost), est_MiB=cost["memory"]["total"] / 2 ** 20,
+                       flop_shares=flop_shares(cost), est_MiB=step_bytes(cost) / 2 ** 20,
                        pairwise_MiB=cost["memory"]["pairwise"] / 2 ** 20)
             if cost["memory"]["pairwise"] > args.max_pairwise_gib * 2 ** 30:
                 row["skipped"] = (f"the content connection keeps {cost['memory']['pairwise'] / 2 ** 30:.1f} GiB "
@@ -234,7 +241,7 @@ def write(args, info, rows, t_start):
              "Shares: measured (one block's module timed alone, times the layers, over the step) / FLOP share of "
              "`estimate_cost`.", "",
              "| n | mode | D | params | step ms | time ratio | FLOP ratio | measured / predicted | attention | "
-             "metric | connection | peak MiB | model MiB |",
+             "metric | connection | peak MiB | activations + gradients MiB (model) |",
              "|---:|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for x in rows:
         fs = x["flop_shares"]
