@@ -1,20 +1,23 @@
 #!/usr/bin/env python3
 """What each CPU detail of the blockwise operator is worth, measured in the same run.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_attention_ablation.py
+    python benchmarks/bench_attention_ablation.py
 
-Three comparisons (d = 64, h = 4, B = 1, per-token key-side metrics, float32,
-forward), each timed alternately against its alternative in ``--reps`` rounds
-(every round repeats calls until ``--min-time`` seconds are filled); the
-median of the per-round ratios is reported:
+Two micro-benchmarks on one tile and the operator's own switches, each timed
+alternately against its alternative in ``--reps`` rounds (every round
+repeats calls until ``--min-time`` seconds are filled); the median of the
+per-round ratios is reported:
 
 * ``exp`` against ``exp2`` on one tile of shifted scores (``[B h, 128, 512]``,
-  values in [-12, 0] like real attention rows);
+  values in [-12, 0] like real attention rows), one thread;
 * the scores of a tile built in a copy (``X[:, :, 0].clone()``, then the
   squares subtracted) against subtracted in place into the product's output;
-* the whole operator at ``n = 512`` with two key blocks (``block_sizes =
-  (128, 256)``: the online softmax rescales once per row) against one key
-  block (``(128, 512)``: nothing to rescale), which prices the rescaling.
+* the operator itself (B = 4, h = 4, n = 1024, d = 64, key side, r = 1 and 4,
+  forward and forward+backward, one thread and all cores), with one switch of
+  ``riemannian_ref.attention._blockwise`` flipped: the online softmax
+  (running maximum, rescaling) against the fixed offset; the row sum as its
+  own pass against ``P @ [V | 1]``; the whole batch in every tile against
+  chunks of about one batch element per thread.
 
 Writes ``results/bench_attention_ablation.{md,json}``.
 """
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 import riemannian_ref as rr
+from riemannian_ref.attention import _blockwise as bw
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -58,15 +62,56 @@ def compare(slow, fast, reps: int, min_time: float) -> dict:
                 speedup_rounds=ratios)
 
 
+SWITCHES = [  # (what, attribute, alternative value, the operator's value)
+    ("online softmax vs fixed offset", "_FIXED_OFFSET", False, True),
+    ("row sum as its own pass vs P @ [V | 1]", "_ROWSUM_IN_PRODUCT", False, True),
+    ("whole batch per tile vs chunks of the batch", "_CHUNK_TILE", 0, bw._CHUNK_TILE),
+    ("multi-threaded kernels vs threads over chunks", "_THREADS_OVER_CHUNKS", False, True),
+]
+
+
+def operator_rows(args, gen):
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for r in (1, 4):
+            q, k, v, _, Uk = make_inputs(4, 4, 1024, 64, r, "key", grad=True)
+            gout = torch.randn(q.shape, generator=gen)
+            for backward in (False, True):
+                def call(backward=backward, q=q, k=k, v=v, Uk=Uk, gout=gout):
+                    with torch.set_grad_enabled(backward):
+                        out = rr.riemannian_attention(q, k, v, U_k=Uk)
+                        if backward:
+                            out.backward(gout)
+                        return out.detach()
+                for what, attr, alt, ours in SWITCHES:
+                    def with_(value, attr=attr):
+                        setattr(bw, attr, value)
+                        try:
+                            return call()
+                        finally:
+                            setattr(bw, attr, ours)
+                    torch.testing.assert_close(with_(alt), with_(ours), rtol=1e-4, atol=1e-5)
+                    rows.append(dict(what=f"operator, {what}: r = {r}, {'fwd+bwd' if backward else 'fwd'}, "
+                                     f"{threads} thread(s)", switch=attr, r=r, threads=threads,
+                                     passes="fwd+bwd" if backward else "fwd", slow=f"{attr} = {alt}",
+                                     fast=f"{attr} = {ours}",
+                                     **compare(lambda: with_(alt), lambda: with_(ours), args.reps, args.min_time)))
+                    print(rows[-1]["what"], f"{rows[-1]['speedup']:.2f}", flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--min-time", type=float, default=0.1)
+    p.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
+    p.add_argument("--no-operator", action="store_true", help="only the two tile micro-benchmarks")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_attention_ablation"))
     args = p.parse_args()
-    threads = int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))
-    torch.set_num_threads(threads)
-    info = machine_info(threads)
+    t_start = time.time()
+    torch.set_num_threads(1)
+    info = machine_info(args.threads)
     info["load_before"] = os.getloadavg()
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -100,33 +145,22 @@ def main():
                          slow="clone + addcmul_", fast="addcmul_ into X[:, :, 0]",
                          **compare(copied, in_place, args.reps, args.min_time)))
 
-    for r in (1, 4):
-        q, k, v, _, Uk = make_inputs(1, 4, 512, 64, r, "key")
-
-        def two_blocks(q=q, k=k, v=v, Uk=Uk):
-            with torch.no_grad():
-                return rr.riemannian_attention(q, k, v, U_k=Uk, block_sizes=(128, 256))
-
-        def one_block(q=q, k=k, v=v, Uk=Uk):
-            with torch.no_grad():
-                return rr.riemannian_attention(q, k, v, U_k=Uk, block_sizes=(128, 512))
-
-        torch.testing.assert_close(two_blocks(), one_block(), rtol=1e-5, atol=1e-5)
-        rows.append(dict(what=f"operator n = 512, r = {r}, forward: two key blocks (128, 256) vs one (128, 512)",
-                         slow="two key blocks (online rescaling)", fast="one key block (no rescaling)",
-                         **compare(two_blocks, one_block, args.reps, args.min_time)))
-
+    if not args.no_operator:
+        rows += operator_rows(args, gen)
     info["load_after"] = os.getloadavg()
+    info["wall_s"] = time.time() - t_start
     for row in rows:
         print(f"{row['what']}: {row['slow_ms']:.3f} ms -> {row['fast_ms']:.3f} ms, speedup {row['speedup']:.2f}")
     if args.out:
         out = Path(args.out)
         out.with_suffix(".json").write_text(json.dumps({"machine": info, "reps": args.reps, "rows": rows}, indent=1))
         lines = ["# What each CPU detail of the attention operator is worth", "",
-                 f"Machine: {info['cpu']} ({info['cores']} cores, shared), torch {info['torch']}, "
-                 f"{info['threads']} thread(s), float32. Speedup = median over {args.reps} alternating rounds "
-                 "of (time of the alternative) / (time of the other). Command: "
-                 "`OMP_NUM_THREADS=1 python benchmarks/bench_attention_ablation.py`.", "",
+                 f"Machine: {info['cpu']} ({info['cores']} cores, shared with other jobs), torch {info['torch']}, "
+                 f"float32; inputs from seed 0. Load average (1, 5, 15 min) before: "
+                 f"{', '.join(f'{x:.2f}' for x in info['load_before'])}; after: "
+                 f"{', '.join(f'{x:.2f}' for x in info['load_after'])}; wall time {info['wall_s'] / 60:.1f} min. "
+                 f"Speedup = median over {args.reps} alternating rounds of (time of the alternative) / (time of "
+                 "the operator's choice). Command: `python benchmarks/bench_attention_ablation.py`.", "",
                  "| comparison | alternative ms | operator ms | speedup | rounds min-max |",
                  "|:---|---:|---:|---:|:---|"]
         for row in rows:

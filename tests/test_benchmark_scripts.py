@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -20,21 +22,37 @@ def run(script, *args):
 
 def test_bench_attention_tiny(tmp_path):
     out = tmp_path / "bench"
-    run("bench_attention.py", "--ns", "64", "128", "--ranks", "1", "2", "--reps", "1", "--mem-ranks", "1",
-        "--out", str(out))
+    run("bench_attention.py", "--ns", "64", "128", "--ranks", "1", "2", "--B", "1", "2", "--threads", "1",
+        "--sides", "mean", "--side-B", "1", "--side-ns", "64", "--reps", "1", "--min-time", "0.002",
+        "--mem-ranks", "1", "--out", str(out))
     res = json.loads(out.with_suffix(".json").read_text())
-    assert {(row["n"], row["r"], row["passes"]) for row in res["time"]} == {
-        (n, r, p) for n in (64, 128) for r in (1, 2) for p in ("fwd", "fwd+bwd")}
+    keys = {(row["side"], row["B"], row["n"], row["r"], row["passes"]) for row in res["time"]}
+    assert keys == {("key", B, n, r, p) for B in (1, 2) for n in (64, 128) for r in (1, 2)
+                    for p in ("fwd", "fwd+bwd")} | {("mean", 1, 64, r, p) for r in (1, 2) for p in ("fwd", "fwd+bwd")}
     for row in res["time"]:
-        assert row["sdpa_ms"] > 0 and row["ours_ms"] > 0 and row["predicted"] > 1
+        assert row["sdpa_ms"] > 0 and row["ours_ms"] > 0 and row["predicted"] > 1 and row["threads"] == 1
         assert abs(row["measured_over_predicted"] * row["predicted"] - row["ratio"]) < 1e-9
     assert {(row["r"], row["passes"]) for row in res["memory"]} == {(1, "fwd"), (1, "fwd+bwd")}
-    assert "| 128 | 2 | fwd+bwd |" in out.with_suffix(".md").read_text()
+    for row in res["memory"]:  # the floor is the output (+ gradients): B h n d floats, more with the backward
+        assert row["floor_MiB"] == pytest.approx(4 * 128 * 64 * 4 / 2 ** 20 * (1 if row["passes"] == "fwd" else 5))
+    md = out.with_suffix(".md").read_text()
+    assert "| key | 2 | 1 | 128 | 2 | fwd+bwd |" in md and "| mean | 1 | 1 | 64 |" in md
+    assert res["machine"]["wall_s"] > 0 and len(res["machine"]["load_after"]) == 3
 
 
 def test_bench_attention_ablation_tiny(tmp_path):
     out = tmp_path / "ablation"
-    run("bench_attention_ablation.py", "--reps", "1", "--min-time", "0.001", "--out", str(out))
+    run("bench_attention_ablation.py", "--reps", "1", "--min-time", "0.001", "--no-operator", "--out", str(out))
     res = json.loads(out.with_suffix(".json").read_text())
-    assert len(res["rows"]) == 5
+    assert len(res["rows"]) == 3
     assert all(row["speedup"] > 0 and len(row["speedup_rounds"]) == 1 for row in res["rows"])
+
+
+def test_ablation_switches_exist_and_hold_the_operators_choice():
+    """The switches the ablation flips are the operator's own attributes, set to what it uses."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_attention_ablation as ab
+    from riemannian_ref.attention import _blockwise as bw
+
+    for _, attr, alt, ours in ab.SWITCHES:
+        assert getattr(bw, attr) == ours != alt

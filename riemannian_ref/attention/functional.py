@@ -92,9 +92,14 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     the query side of ``"mean"``/``"query"``), so score FLOPs are ``1 + r``
     times those of :math:`QK^\top` (``1 + 2r`` for ``"mean"``). Shared metrics
     cost nothing pairwise: they fold into :math:`M`. Memory beyond the output
-    and the gradients: the row log-sum-exp and one tile of ``bq * bk * (1 + r)``
-    numbers per batch element (plus one stacked key block), in forward and
-    backward; nothing of size ``n_q * n_k`` is stored.
+    and the gradients: the row log-sum-exp and, per chunk of the flattened
+    batch (about one batch element per thread), one tile of
+    ``bq * bk * (1 + r)`` numbers, one stacked key block and the running
+    output, in forward and backward; nothing of size ``n_q * n_k`` is stored.
+    The softmax needs no running maximum: distance scores are bounded above
+    by ``scale/2 * q^T M q`` before any key is seen, so each row's offset is
+    fixed after the first key block, and rows that would underflow (every key
+    extremely far) are recomputed with the online softmax.
 
     Precision: float32 and float64 run natively. Under ``torch.autocast``
     (and for float16/bfloat16 inputs) the operator upcasts to float32, computes

@@ -1,11 +1,16 @@
 r"""Budgets of a :class:`~riemannian_ref.models.transformer.FiberBundleTransformer`: parameters and FLOPs.
 
 :func:`count_parameters` counts a model's (or a config's) parameters by
-component, :func:`estimate_flops` its forward FLOPs by component, and
-:func:`match_width` resizes a config to a parameter budget, so that modes can
-be compared at matched size.
+component, :func:`estimate_flops` its forward FLOPs by component (the quick,
+idealised count), :func:`estimate_cost` the FLOPs and memory of a whole
+training step as this package's kernels execute it (checked against
+:class:`torch.utils.flop_counter.FlopCounterMode`, the autograd graph's saved
+tensors and measured step times), and :func:`match_width` resizes a config to a
+parameter budget, so that modes can be compared at matched size.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -14,7 +19,7 @@ from .._checks import check_bool, check_int as _pos_int
 from .config import FiberBundleConfig
 from .transformer import FiberBundleTransformer
 
-__all__ = ["count_parameters", "estimate_flops", "match_width"]
+__all__ = ["count_parameters", "estimate_cost", "estimate_flops", "match_width"]
 
 _COMPONENTS = ("embedding", "positions", "attention", "metric", "connection", "ffn", "ffn_metric",
                "norms", "head")
@@ -51,7 +56,8 @@ def count_parameters(model_or_config) -> dict[str, int]:
     Components: embedding, positions, attention (q/k frames, v, out), metric
     (attention metric nets), connection (content-rate maps), ffn, ffn_metric
     (metric of the preconditioned FFN and eta), norms, head (0 when tied).
-    A config is instantiated on the CPU without consuming the caller's random
+    A config is instantiated on the ``meta`` device (shapes without storage),
+    so counting a billion-parameter config costs no memory and draws no random
     numbers.
 
     Parameters
@@ -65,7 +71,8 @@ def count_parameters(model_or_config) -> dict[str, int]:
         One count per component above, and ``"total"``.
     """
     if isinstance(model_or_config, FiberBundleConfig):
-        with torch.random.fork_rng(devices=[]):  # counting leaves the caller's random stream alone
+        # on the meta device: shapes only, no memory (a 7B config counts in a second), no random numbers drawn
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
             model = FiberBundleTransformer(model_or_config)
     elif isinstance(model_or_config, nn.Module):
         model = model_or_config
@@ -193,3 +200,176 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
     out["head"] = 2 * n * D * V
     out["total"] = sum(out.values())
     return out
+
+
+_COST_PARTS = ("attention", "metric", "connection", "ffn", "ffn_metric", "head")
+
+
+@functools.lru_cache(maxsize=256)
+def _parameter_total(config: FiberBundleConfig) -> int:
+    """Parameters of a config, from one- and two-layer copies (blocks are identical): fast at any depth."""
+    one, two = (count_parameters(config.replace(n_layers=k))["total"] for k in (1, 2))
+    return one + (config.n_layers - 1) * (two - one)
+
+
+def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batch: int = 1,
+                  causal_skip: bool = False, dtype_bytes: int = 4, optimizer_states: int = 2) -> dict:
+    r"""FLOPs and memory of one training step (forward and backward), by component, as this package runs it.
+
+    The whole-cost model of chapter 6. Components: ``"attention"`` (the
+    query/key/value/output projections and every pairwise product: scores,
+    the metric's rank products, softmax, the mix of the values),
+    ``"metric"`` (the metric network, :math:`r\,D\,hd` multiply-adds per token
+    and layer), ``"connection"`` (the rate network and the transport: rotations
+    for ``"flat"``, every pair densely for ``"content"``), ``"ffn"``,
+    ``"ffn_metric"`` (the metric of the preconditioned FFN and its Woodbury
+    solve) and ``"head"``.
+
+    Matrix products (2 FLOPs per multiply-add) are counted as the kernels
+    execute them: SDPA as FlashAttention-2 (the backward recomputes the
+    scores: :math:`10 n^2 hd` against :math:`4 n^2 hd` forward); the
+    blockwise operator with its stacked products of inner size ``d + 2``
+    (``1 + r`` of them per key, ``r`` more per query for ``"query"`` and
+    ``"mean"``), its ``P [V | 1]`` and ``[dO | -D] [V | 1]^T`` products and a
+    backward that recomputes the scores; the content connection's dense
+    einsums; every linear layer's backward twice its forward. Elementwise work
+    (softmax, squares, rotations, the transport of every pair) is an estimate
+    at one FLOP per scalar operation, reported apart: it is what a fused GPU
+    kernel hides and a CPU pays.
+
+    Memory counts what a training step holds: parameters, their gradients and
+    ``optimizer_states`` copies (Adam: 2), and the activations autograd keeps
+    for the backward (elements, times ``dtype_bytes``). Pairwise activations
+    are zero for SDPA and the blockwise operator (they recompute) and
+    :math:`O(n^2 hd)` per layer for the content connection, which transports
+    every pair densely.
+
+    Parameters
+    ----------
+    config : FiberBundleConfig
+    seq_len : int, optional
+        Sequence length :math:`n` (default ``config.block_size``).
+    batch : int
+        Sequences per step (FLOPs and activations scale with it).
+    causal_skip : bool
+        Count half of every pairwise term, as a causal kernel that skips the
+        masked half does (the blockwise operator on CPU skips only whole tiles
+        above the diagonal; ``False`` counts every pair, as
+        :class:`torch.utils.flop_counter.FlopCounterMode` sees short sequences).
+    dtype_bytes : int
+        Bytes per stored number (4: float32; 2: bfloat16 activations).
+    optimizer_states : int
+        Optimizer state tensors per parameter (Adam: 2; SGD: 0).
+
+    Returns
+    -------
+    dict
+        ``"flops"``: ``{part: {"matmul_fwd", "matmul_bwd", "elementwise_fwd",
+        "elementwise_bwd", "total"}}`` for every part and ``"total"``;
+        ``"memory"``: bytes of ``"parameters"``, ``"gradients"``,
+        ``"optimizer"``, ``"activations"`` (a dict by part), ``"pairwise"``
+        (the part of the activations that grows with :math:`n^2`) and
+        ``"total"``.
+    """
+    cfg = config
+    n = cfg.block_size if seq_len is None else seq_len
+    for name, val in (("seq_len", n), ("batch", batch), ("dtype_bytes", dtype_bytes)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    D, L, h, d = cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.qk_dim
+    V = cfg.out_dim or 0
+    hd = h * d
+    n2 = float(n) * n * (0.5 if causal_skip else 1.0)  # pairs per head
+    conn = cfg.connection_resolved
+    metric_scores = cfg.mode != "euclidean"
+    r = cfg.metric_rank if metric_scores else 0
+    per_token = metric_scores and not cfg.shared_metric and r > 0
+    rk = r if per_token and cfg.metric_side in ("key", "mean") else 0
+    rq = r if per_token and cfg.metric_side in ("query", "mean") else 0
+    parts = {p: dict(matmul_fwd=0.0, matmul_bwd=0.0, elementwise_fwd=0.0, elementwise_bwd=0.0)
+             for p in _COST_PARTS}
+    act = dict.fromkeys(_COST_PARTS + ("norms",), 0.0)  # stored elements per sequence
+    pairwise = 0.0
+
+    def linear(part, fan_in, fan_out, tokens=n):  # backward: dX and dW, each as costly as the forward
+        parts[part]["matmul_fwd"] += 2.0 * tokens * fan_in * fan_out
+        parts[part]["matmul_bwd"] += 4.0 * tokens * fan_in * fan_out
+
+    a = parts["attention"]
+    for _ in range(L):
+        linear("attention", D, 3 * hd)  # q, k, v
+        linear("attention", hd, D)  # output
+        act["attention"] += 5 * n * hd + n * h  # q, k, v, the output, its reshaped copy; row statistics
+        act["norms"] += 4 * n * D if cfg.layer_norm else 0  # each LayerNorm keeps its input and output
+        if conn == "content":
+            # every pair transported densely (autograd): einsums for the metric's rank products and the
+            # mix of transported values; rotations, differences and squares elementwise
+            linear("connection", D, hd // 2)  # the rate network
+            c = parts["connection"]
+            mix = 2 * n2 * hd
+            a["matmul_fwd"] += mix
+            a["matmul_bwd"] += 2 * mix
+            a["matmul_fwd"] += 2 * n2 * hd * (rk + rq)
+            a["matmul_bwd"] += 4 * n2 * hd * (rk + rq)
+            a["elementwise_fwd"] += n2 * h * (5 + 2 * (rk + rq) + (3 * d if metric_scores else 2 * d))
+            a["elementwise_bwd"] += 2 * n2 * h * (5 + 2 * (rk + rq) + 3 * d)
+            rotations = 1 + (1 if cfg.transport_values else 0) + (1 if rk else 0)
+            c["elementwise_fwd"] += n2 * hd * (1.5 + 3 * rotations)  # angles, cos, sin; 3 per rotated coordinate
+            c["elementwise_bwd"] += 2 * n2 * hd * (1.5 + 3 * rotations)
+            stored = n2 * (hd * (2 + rotations + (1 if rq else 0)) + h * (rk + rq + 3))  # cos, sin, differences, rotated
+            act["connection"] += stored
+            pairwise += stored
+        elif not metric_scores:  # SDPA (FlashAttention-2: the backward recomputes the scores)
+            a["matmul_fwd"] += 4 * n2 * hd
+            a["matmul_bwd"] += 10 * n2 * hd
+            a["elementwise_fwd"] += 5 * n2 * h
+            a["elementwise_bwd"] += 8 * n2 * h
+        else:  # the blockwise operator: stacked products of inner size d + 2, P [V | 1], recomputing backward
+            score = 2 * n2 * h * ((d + 2) * (1 + rk) + (rq * (d + 1) if rq else 0))
+            a["matmul_fwd"] += score + 2 * n2 * h * (d + 1)
+            a["matmul_bwd"] += (score + 2 * n2 * h * d + 2 * n2 * h * (d + 1)
+                                + 4 * n2 * h * ((d + 2) * (1 + rk) + (rq * (d + 1) if rq else 0)))
+            a["elementwise_fwd"] += n2 * h * (3 + 2 * (rk + rq))
+            a["elementwise_bwd"] += n2 * h * (5 + 4 * (rk + rq))
+            if cfg.shared_metric and r:  # shared factors fold into M: (k W) W^T per key, (q W) W^T per query
+                rs = r * (2 if cfg.metric_side == "mean" else 1)
+                a["matmul_fwd"] += 8 * n * hd * rs
+                a["matmul_bwd"] += 20 * n * hd * rs
+            if conn == "flat":  # rotate q, k, v, the factors and the output: O(n d r)
+                c = parts["connection"]
+                c["elementwise_fwd"] += 3 * n * hd * (4 + rk + rq)
+                c["elementwise_bwd"] += 6 * n * hd * (4 + rk + rq)
+                act["connection"] += n * hd  # the rotation tables
+        if per_token:
+            linear("metric", D, hd * r)  # one metric network serves both sides of self-attention
+            act["metric"] += n * hd * r * (2 if rk and rq else 1)  # the operator's contiguous factors
+        if cfg.mlp:
+            linear("ffn", D, cfg.mlp_ratio * D)
+            linear("ffn", cfg.mlp_ratio * D, D)
+            parts["ffn"]["elementwise_fwd"] += 8 * n * cfg.mlp_ratio * D  # GELU
+            parts["ffn"]["elementwise_bwd"] += 16 * n * cfg.mlp_ratio * D
+            act["ffn"] += 2 * n * cfg.mlp_ratio * D
+        if cfg.precondition_ffn_resolved:
+            rf = cfg.ffn_metric_rank
+            linear("ffn_metric", D, D * rf)
+            fm = parts["ffn_metric"]
+            fm["matmul_fwd"] += 2 * n * D * rf * (rf + 1)  # U^T D^-1 U (capacitance) and U z
+            fm["matmul_bwd"] += 4 * n * D * rf * (rf + 1)
+            fm["elementwise_fwd"] += n * (4 * D * rf + 2 * D + rf ** 3)  # U^T y, scalings, Cholesky
+            fm["elementwise_bwd"] += 2 * n * (4 * D * rf + 2 * D + rf ** 3)
+            act["ffn_metric"] += n * (2 * D * rf + 3 * D + rf * rf)
+    if V:
+        linear("head", D, V)
+        act["head"] += n * (V + D)
+    flops = {}
+    for p, f in parts.items():
+        f = {k: batch * v for k, v in f.items()}
+        f["total"] = sum(f.values())
+        flops[p] = f
+    flops["total"] = {k: sum(flops[p][k] for p in _COST_PARTS) for k in flops["attention"]}
+    P = _parameter_total(cfg)
+    act_b = {p: batch * dtype_bytes * v for p, v in act.items()}
+    memory = dict(parameters=4 * P, gradients=4 * P, optimizer=4 * P * optimizer_states, activations=act_b,
+                  pairwise=batch * dtype_bytes * pairwise)
+    memory["total"] = memory["parameters"] + memory["gradients"] + memory["optimizer"] + sum(act_b.values())
+    return {"flops": flops, "memory": memory}

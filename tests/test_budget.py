@@ -1,0 +1,107 @@
+"""The whole-cost model (riemannian_ref.models.budget.estimate_cost) against what actually runs.
+
+Matrix-product FLOPs are compared with torch.utils.flop_counter.FlopCounterMode
+on a forward and a backward pass of real models in every mode (the counter
+misses in-place ``baddbmm_``, which the operator uses: it is added as a custom
+formula); activation memory with the bytes of the tensors autograd saves for
+the backward. Both must agree closely: the chapter evaluates the same model at
+GPT-2, 1.3B and 7B shapes.
+"""
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import riemannian_ref as rr
+from riemannian_ref.models.budget import estimate_cost
+
+aten = torch.ops.aten
+
+CONFIGS = [dict(mode="euclidean"), dict(mode="riemannian"), dict(mode="riemannian", metric_side="mean"),
+           dict(mode="riemannian", metric_side="query"), dict(mode="riemannian", connection="flat"),
+           dict(mode="riemannian", shared_metric=True), dict(mode="fiber_bundle"),
+           dict(mode="fiber_bundle", metric_side="mean")]
+
+
+def _inplace_bmm(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
+    b, m, k = a_shape
+    return 2 * b * m * k * b_shape[-1]
+
+
+def counted_flops(model, idx):
+    """Matrix-product FLOPs of a forward and of a backward pass, as FlopCounterMode counts them."""
+    with sdpa_kernel(SDPBackend.MATH):  # the CPU flash kernel is not counted; the math path is
+        with FlopCounterMode(display=False, custom_mapping={aten.baddbmm_: _inplace_bmm}) as fc:
+            out = model(idx).logits
+        fwd = fc.get_total_flops()
+        with FlopCounterMode(display=False, custom_mapping={aten.baddbmm_: _inplace_bmm}) as fc:
+            out.square().sum().backward()
+        return fwd, fc.get_total_flops()
+
+
+def saved_bytes(model, idx):
+    """Bytes of the activations autograd keeps for the backward (parameters excluded, storages once)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("extra", CONFIGS, ids=lambda e: "-".join(map(str, e.values())))
+def test_matmul_flops_and_activations_match_what_runs(extra):
+    torch.manual_seed(0)
+    n = 40
+    cfg = rr.FiberBundleConfig.tiny(block_size=n, metric_rank=3, **extra)
+    model = rr.FiberBundleTransformer(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, n))
+    fwd, bwd = counted_flops(model, idx)
+    cost = estimate_cost(cfg, n, batch=2)
+    tot = cost["flops"]["total"]
+    # the math path does not recompute the scores in its backward, FlashAttention-2 does (2 n^2 hd per layer)
+    recompute = 2 * 2 * n * n * cfg.n_heads * cfg.qk_dim * cfg.n_layers if cfg.mode == "euclidean" else 0
+    assert tot["matmul_fwd"] == pytest.approx(fwd, rel=0.01)
+    assert tot["matmul_bwd"] - recompute == pytest.approx(bwd, rel=0.01)
+    assert sum(cost["memory"]["activations"].values()) == pytest.approx(saved_bytes(model, idx), rel=0.08)
+
+
+def test_pairwise_terms_and_memory_scale_as_expected():
+    base = rr.FiberBundleConfig.small(mode="riemannian")
+    c1, c2 = estimate_cost(base, 512), estimate_cost(base, 1024)
+    att1, att2 = c1["flops"]["attention"]["total"], c2["flops"]["attention"]["total"]
+    assert 2 < att2 / att1 < 4  # projections linear in n, pairs quadratic
+    assert c1["flops"]["metric"]["total"] * 2 == pytest.approx(c2["flops"]["metric"]["total"])  # per token
+    skip = estimate_cost(base, 1024, causal_skip=True)
+    assert skip["flops"]["metric"] == c2["flops"]["metric"]  # per token: nothing to skip
+    assert skip["flops"]["attention"]["total"] < 0.75 * att2  # the pairwise part halves
+    assert c2["memory"]["pairwise"] == 0  # the operator recomputes: nothing pairwise is kept
+    fb = rr.FiberBundleConfig.small(mode="fiber_bundle")
+    p1, p2 = estimate_cost(fb, 256)["memory"]["pairwise"], estimate_cost(fb, 512)["memory"]["pairwise"]
+    assert p2 == pytest.approx(4 * p1) and p1 > 0  # the content connection keeps O(n^2 d) per layer
+    half = estimate_cost(base, 1024, dtype_bytes=2)["memory"]
+    assert sum(half["activations"].values()) * 2 == pytest.approx(sum(c2["memory"]["activations"].values()))
+    eu = estimate_cost(base.replace(mode="euclidean"), 1024)["flops"]
+    assert eu["metric"]["total"] == eu["connection"]["total"] == 0
+
+
+@pytest.mark.parametrize("kw,match", [(dict(seq_len=0), "seq_len must be a positive int"),
+                                      (dict(batch=1.5), "batch must be a positive int"),
+                                      (dict(dtype_bytes=True), "dtype_bytes must be a positive int")])
+def test_bad_arguments_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        estimate_cost(rr.FiberBundleConfig.tiny(), **kw)
+
+
+def test_parameter_total_of_the_cost_model_is_count_parameters():
+    from riemannian_ref.models.budget import _parameter_total
+
+    for mode in ("euclidean", "riemannian", "fiber_bundle"):
+        cfg = rr.FiberBundleConfig.small(mode=mode, n_layers=5)
+        assert _parameter_total(cfg) == rr.count_parameters(cfg)["total"]
