@@ -11,7 +11,9 @@ implementation (dropout). The algorithm, written to be read, is
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -136,6 +138,10 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     if dropout_p > 0.0 or n_q == 0 or math.prod(batch) == 0:  # dropout, or nothing to compute
         return riemannian_attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                               U_q=U_q, U_k=U_k, lam=lam_t, metric_side=metric_side)
+    if query.device.type == "cuda" and _triton_path(query, value, attn_mask, U_q, U_k):
+        from . import _triton  # imports triton: only here, on first use
+        return _triton.attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side,
+                                      per_q, per_k, batch)
     if query.dtype in (torch.float16, torch.bfloat16):  # half inputs: compute in float32, return their dtype
         out = riemannian_attention(*_f32(query, key, value, attn_mask), 0.0, is_causal, scale, U_q=_f32(U_q),
                                    U_k=_f32(U_k), lam=_f32(lam_t), metric_side=metric_side, block_sizes=blocks)
@@ -174,6 +180,18 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
                                        Uqf.contiguous() if Uqf is not None else None,
                                        attn_mask, is_causal, scale, c, c, blocks, tuple(batch))
     return out.view(*batch, n_q, value.shape[-1])
+
+
+def _triton_path(query: Tensor, value: Tensor, attn_mask, U_q, U_k) -> bool:
+    """Whether a (validated, CUDA) call runs on the Triton kernels: triton importable, not disabled, supported."""
+    if _triton_disabled() or importlib.util.find_spec("triton") is None:
+        return False
+    from . import _triton
+    return _triton.usable(query, value, attn_mask, U_q, U_k)
+
+
+def _triton_disabled() -> bool:
+    return os.environ.get("RR_DISABLE_TRITON", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _f32(*ts):
