@@ -56,7 +56,7 @@ from torch import Tensor
 try:  # optional: the package works without it
     import triton
     import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
+except Exception:  # pragma: no cover - not installed (or a broken install): the CPU operator stays
     triton = None
     tl = None
 
@@ -273,6 +273,20 @@ def _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, block
 
 
 if HAS_TRITON:
+    # The kernels call only builtins of triton.language and this module's jit functions: the sums and
+    # maxima are tl.reduce with the combine functions of tl.sum and tl.max themselves (what those two
+    # compile to), not tl.sum/tl.max, which are jit functions of triton's library, defined when triton
+    # was imported. Triton's interpreter then works even if triton was imported before TRITON_INTERPRET=1
+    # was set (torch._dynamo imports triton when it is installed), as long as THIS module is imported
+    # after, and it still reduces with numpy (it recognises these two combine functions).
+
+    @triton.jit
+    def _rsum(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, tl.standard._sum_combine)
+
+    @triton.jit
+    def _rmax(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, tl.standard._elementwise_max)
 
     @triton.jit
     def _load_rows(ptr, rows, n_rows, row_stride, offs_c, n_cols):
@@ -301,20 +315,20 @@ if HAS_TRITON:
         repeated alike; ``uq``/``qr`` the same for the query block (RQ*BM rows).
         """
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        kk = tl.sum(k * k, 1)
+        kk = _rsum(k * k, 1)
         s = (scale * lam) * (qk - 0.5 * kk[None, :])
         X = qk
         Y = qk
         if HAS_UK:
-            a = tl.sum(uk * kr, 1)  # U_{j,t} . k_j
+            a = _rsum(uk * kr, 1)  # U_{j,t} . k_j
             X = tl.dot(q, tl.trans(uk), input_precision="ieee") - a[None, :]
             X3 = tl.reshape(X, (BM, RK, BN))
-            s -= (0.5 * scale * w) * tl.sum(X3 * X3, 1)
+            s -= (0.5 * scale * w) * _rsum(X3 * X3, 1)
         if HAS_UQ:
-            b = tl.sum(uq * qr, 1)  # V_{i,t} . q_i
+            b = _rsum(uq * qr, 1)  # V_{i,t} . q_i
             Y = b[:, None] - tl.dot(uq, tl.trans(k), input_precision="ieee")
             Y3 = tl.reshape(Y, (RQ, BM, BN))
-            s -= (0.5 * scale * w) * tl.sum(Y3 * Y3, 0)
+            s -= (0.5 * scale * w) * _rsum(Y3 * Y3, 0)
         valid = offs_n[None, :] < n_k
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None])
@@ -349,8 +363,8 @@ if HAS_TRITON:
             uq = _load_stacked(UQ + b * rq * n_q * d, rq, n_q, d, m0, offs_d, RQ, BM)
             qr = _load_rows(Q + b * n_q * d, m0 + tl.arange(0, RQ * BM) % BM, n_q, d, offs_d, d)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BM,), tl.float32)
-        acc = tl.zeros((BM, BDV), tl.float32)
+        l_i = tl.full((BM,), 0.0, tl.float32)
+        acc = tl.full((BM, BDV), 0.0, tl.float32)
         hi = n_k
         if CAUSAL:
             hi = tl.minimum(n_k, m0 + BM)
@@ -365,11 +379,11 @@ if HAS_TRITON:
                 kr = _load_rows(K + b * n_k * d, n0 + tl.arange(0, RK * BN) % BN, n_k, d, offs_d, d)
             s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
                               CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, _rmax(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            l_i = l_i * alpha + _rsum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m_i = m_new
         alive = l_i > 0.0  # rows that see no key: output 0, lse +inf (their weights are 0 in the backward)
@@ -404,12 +418,12 @@ if HAS_TRITON:
         if HAS_UK:
             uk = _load_stacked(UK + b * rk * n_k * d, rk, n_k, d, n0, offs_d, RK, BN)
             kr = _load_rows(K + b * n_k * d, n0 + tl.arange(0, RK * BN) % BN, n_k, d, offs_d, d)
-        acc_g = tl.zeros((BN, BD), tl.float32)  # sum_i dS_ij q_i
-        colsum = tl.zeros((BN,), tl.float32)  # sum_i dS_ij
-        acc_dv = tl.zeros((BN, BDV), tl.float32)
-        acc_du = tl.zeros((RK * BN, BD), tl.float32)  # sum_i dS_ij X_t,ij q_i
-        cx = tl.zeros((RK * BN,), tl.float32)  # sum_i dS_ij X_t,ij
-        acc_y = tl.zeros((BN, BD), tl.float32)  # sum_{i,t} dS_ij Y_t,ij V_i,t
+        acc_g = tl.full((BN, BD), 0.0, tl.float32)  # sum_i dS_ij q_i
+        colsum = tl.full((BN,), 0.0, tl.float32)  # sum_i dS_ij
+        acc_dv = tl.full((BN, BDV), 0.0, tl.float32)
+        acc_du = tl.full((RK * BN, BD), 0.0, tl.float32)  # sum_i dS_ij X_t,ij q_i
+        cx = tl.full((RK * BN,), 0.0, tl.float32)  # sum_i dS_ij X_t,ij
+        acc_y = tl.full((BN, BD), 0.0, tl.float32)  # sum_{i,t} dS_ij Y_t,ij V_i,t
         lo = 0
         if CAUSAL:
             lo = n0  # queries before the block's first key see none of its keys
@@ -431,17 +445,17 @@ if HAS_TRITON:
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
             ds = p * (dp - Dr[:, None])
             acc_g += tl.dot(tl.trans(ds), q, input_precision="ieee")
-            colsum += tl.sum(ds, 0)
+            colsum += _rsum(ds, 0)
             if HAS_UK:
                 dsx = tl.reshape(ds[:, None, :] * tl.reshape(X, (BM, RK, BN)), (BM, RK * BN))
                 acc_du += tl.dot(tl.trans(dsx), q, input_precision="ieee")
-                cx += tl.sum(dsx, 0)
+                cx += _rsum(dsx, 0)
             if HAS_UQ:
                 dsy = tl.reshape(ds[None, :, :] * tl.reshape(Y, (RQ, BM, BN)), (RQ * BM, BN))
                 acc_y += tl.dot(tl.trans(dsy), uq, input_precision="ieee")
         dk = (scale * lam) * (acc_g - colsum[:, None] * k)
         if HAS_UK:
-            dk += (scale * w) * tl.sum(tl.reshape(cx[:, None] * uk, (RK, BN, BD)), 0)
+            dk += (scale * w) * _rsum(tl.reshape(cx[:, None] * uk, (RK, BN, BD)), 0)
             du = -(scale * w) * (acc_du - cx[:, None] * kr)
             offs = tl.arange(0, RK * BN)
             t = offs // BN
@@ -458,7 +472,7 @@ if HAS_TRITON:
         tl.store(DV + b * n_k * dv + offs_n[:, None].to(tl.int64) * dv + offs_dv[None, :],
                  acc_dv.to(DV.dtype.element_ty), mask=vmask)
         # d s_ij / d lam = scale (q_i . k_j - |k_j|^2 / 2) (the row constant has zero gradient)
-        dlam = scale * (tl.sum(tl.sum(k * acc_g, 1), 0) - 0.5 * tl.sum(colsum * tl.sum(k * k, 1), 0))
+        dlam = scale * (_rsum(_rsum(k * acc_g, 1), 0) - 0.5 * _rsum(colsum * _rsum(k * k, 1), 0))
         tl.store(DLAM + b * tl.num_programs(1) + pid_n, dlam)
 
     @triton.jit
@@ -485,9 +499,9 @@ if HAS_TRITON:
         if HAS_UQ:
             uq = _load_stacked(UQ + b * rq * n_q * d, rq, n_q, d, m0, offs_d, RQ, BM)
             qr = _load_rows(Q + b * n_q * d, m0 + tl.arange(0, RQ * BM) % BM, n_q, d, offs_d, d)
-        acc_dq = tl.zeros((BM, BD), tl.float32)
-        acc_dvq = tl.zeros((RQ * BM, BD), tl.float32)  # sum_j dS_ij Y_t,ij k_j
-        yq = tl.zeros((RQ * BM,), tl.float32)  # sum_j dS_ij Y_t,ij
+        acc_dq = tl.full((BM, BD), 0.0, tl.float32)
+        acc_dvq = tl.full((RQ * BM, BD), 0.0, tl.float32)  # sum_j dS_ij Y_t,ij k_j
+        yq = tl.full((RQ * BM,), 0.0, tl.float32)  # sum_j dS_ij Y_t,ij
         hi = n_k
         if CAUSAL:
             hi = tl.minimum(n_k, m0 + BM)
@@ -511,10 +525,10 @@ if HAS_TRITON:
                 acc_dq -= (scale * w) * tl.dot(dsx, uk, input_precision="ieee")
             if HAS_UQ:
                 dsy = tl.reshape(ds[None, :, :] * tl.reshape(Y, (RQ, BM, BN)), (RQ * BM, BN))
-                yq += tl.sum(dsy, 1)
+                yq += _rsum(dsy, 1)
                 acc_dvq += tl.dot(dsy, k, input_precision="ieee")
         if HAS_UQ:
-            acc_dq -= (scale * w) * tl.sum(tl.reshape(yq[:, None] * uq, (RQ, BM, BD)), 0)
+            acc_dq -= (scale * w) * _rsum(tl.reshape(yq[:, None] * uq, (RQ, BM, BD)), 0)
             duq = -(scale * w) * (yq[:, None] * qr - acc_dvq)
             offs = tl.arange(0, RQ * BM)
             t = offs // BM

@@ -11,7 +11,6 @@ implementation (dropout). The algorithm, written to be read, is
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 
@@ -184,9 +183,9 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
 
 def _triton_path(query: Tensor, value: Tensor, attn_mask, U_q, U_k) -> bool:
     """Whether a (validated, CUDA) call runs on the Triton kernels: triton importable, not disabled, supported."""
-    if _triton_disabled() or importlib.util.find_spec("triton") is None:
+    if _triton_disabled():
         return False
-    from . import _triton
+    from . import _triton  # imports triton if installed (guarded: HAS_TRITON is False otherwise)
     return _triton.usable(query, value, attn_mask, U_q, U_k)
 
 
