@@ -5,8 +5,9 @@ r"""Riemannian attention, the function other code calls.
 validates its inputs (errors name the argument), handles autocast and half
 precision, and dispatches to the blockwise operator (private,
 :mod:`riemannian_ref.attention._blockwise`), which never holds more than one
-tile of scores, or to the dense reference where the operator has no
-implementation (dropout). The algorithm, written to be read, is
+tile of scores, to Triton kernels for supported calls on CUDA tensors
+(private, :mod:`riemannian_ref.attention._triton`), or to the dense reference
+where the operators have no implementation (dropout). The algorithm, written to be read, is
 :func:`riemannian_ref.attention.reference.blockwise_attention`.
 """
 from __future__ import annotations
@@ -120,6 +121,20 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     Double backward (``create_graph=True``) is not supported by the blockwise
     operator and raises a ``RuntimeError`` that says so; the dense reference
     supports it.
+
+    GPU: CUDA tensors run on Triton kernels (private,
+    :mod:`riemannian_ref.attention._triton`: a fused forward and backward with
+    the per-token metric terms computed per tile, gradients for query, key,
+    value, ``U_q``, ``U_k`` and ``lam``) when ``triton`` is installed (the
+    ``gpu`` extra), ``RR_DISABLE_TRITON`` is not set to ``1``, and the call is
+    supported: dtype float16, bfloat16 or float32 (computed in float32, no
+    TF32), head dimensions up to 256, no dropout, and no float ``attn_mask``
+    that requires grad (boolean masks, float masks without grad and
+    ``is_causal`` are supported; ``block_sizes`` is not used there). Every
+    other call, and every CPU call, takes the blockwise PyTorch operator
+    above. Neither path has a double backward. The kernels are tested in
+    Triton's interpreter against the dense reference; their speed on a GPU
+    has not been measured.
     """
     dev = query.device.type if isinstance(query, Tensor) else "cpu"
     if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
