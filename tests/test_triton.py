@@ -129,7 +129,7 @@ def test_half_inputs_compute_in_float32_and_keep_their_dtype(gen, dtype):
 def test_gqa_entry_point(gen):
     q, k, v, lam, _, Uk = make(gen, "key", nq=16, nk=16, h=4)
     k, v, Uk = k[:, :2], v[:, :2], Uk[:, :2]
-    out = T.riemannian_attention_triton(q, k, v, U_k=Uk, lam=lam, enable_gqa=True, block_sizes=BLOCKS)
+    out = T.riemannian_attention_triton(q, k, v, U_k=Uk, lam=lam, enable_gqa=True)  # default blocks
     ref = rr.riemannian_attention_reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                             U_k=Uk.repeat_interleave(2, 1), lam=lam)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
@@ -161,3 +161,20 @@ def test_dispatch_rule(gen, monkeypatch):
     rr.riemannian_attention(q, k, v, U_k=Uk, lam=lam)
     monkeypatch.setenv("RR_DISABLE_TRITON", "1")
     assert T.disabled_by_env() and functional._triton_disabled()
+
+
+def test_blocks_shrink_when_the_gpu_lacks_resources():
+    """A launch that runs out of shared memory is retried with the larger block halved, down to 16."""
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    def launch(blocks):
+        tried.append(blocks)
+        if blocks[0] * blocks[1] > 32 * 32:
+            raise OutOfResources(100_000, 99_000, "shared memory")
+
+    assert T._fitting_blocks(launch, (64, 64)) == (32, 32)
+    assert tried == [(64, 64), (32, 64), (32, 32)]
+    with pytest.raises(OutOfResources):
+        T._fitting_blocks(lambda b: launch((64, 64)), (32, 16))

@@ -104,14 +104,20 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 
 def default_blocks(d: int, dv: int, rk: int, rq: int) -> tuple[int, int]:
-    """Query and key block sizes (powers of two, >= 16), kept small as the rank grows (not tuned on a GPU)."""
-    width = 1 + rk + rq
+    """Query and key block sizes (powers of two, 16 to 64), smaller as the head dimension and the rank grow.
+
+    Not tuned on a GPU (none was at hand): chosen from the shared memory that
+    Triton 3.9 reports when it compiles the kernels for sm_80 and sm_90
+    without one (the rule keeps the stacked factor blocks at 4096 entries;
+    e.g. 66 KiB at most for d = 64, r = 2 and 132 KiB for d = 128, r = 2).
+    A GPU with less shared memory gets smaller blocks at launch
+    (:func:`_fitting_blocks`).
+    """
     bd = max(_pow2(d), _pow2(dv))
-    if bd <= 64 and width <= 2:
-        return 64, 64
-    if bd <= 128 and width <= 4:
-        return 64, 32
-    return 32, 32 if width <= 8 else 16
+    RK, RQ = _pow2(max(rk, 1), 1), _pow2(max(rq, 1), 1)
+    bm = max(16, min(64, 4096 // bd, 8192 // (RQ * bd)))
+    bn = max(16, min(64, 4096 // (RK * bd)))
+    return bm, bn
 
 
 def _check_blocks(blocks) -> tuple[int, int]:
@@ -156,7 +162,7 @@ def attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam
     n_q, n_k, d, dv = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
     w = 0.5 if metric_side == "mean" else 1.0
     qf, kf, vf = (_flat(t, batch, 2).contiguous() for t in (query, key, value))
-    lamf = lam_t.expand(batch).reshape(-1)
+    lamf = lam_t.expand(batch).reshape(-1).contiguous()
     Ukt = _stacked_factors(U_k, per_k, n_k, batch)
     Uqt = _stacked_factors(U_q, per_q, n_q, batch)
     rk = Ukt.shape[1] if Ukt is not None else 0
@@ -210,13 +216,16 @@ class _TritonAttentionFn(torch.autograd.Function):
     def forward(ctx, q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks):
         Bf, n_q, d = q.shape
         n_k, dv = k.shape[1], v.shape[2]
-        BM, BN = blocks
         out = torch.empty(Bf, n_q, dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(Bf, n_q, dtype=torch.float32, device=q.device)
-        a = _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks)
-        _fwd_kernel[(Bf, triton.cdiv(n_q, BM))](q, k, v, lam, a["uk"], a["uq"], a["mask"], a["mids"], out, lse,
-                                                *a["sizes"], a["smq"], a["smk"], a["smb"], a["scale"], a["w"],
-                                                **a["const"])
+
+        def launch(blocks):
+            a = _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks)
+            _fwd_kernel[(Bf, triton.cdiv(n_q, blocks[0]))](q, k, v, lam, a["uk"], a["uq"], a["mask"], a["mids"], out,
+                                                           lse, *a["sizes"], a["smq"], a["smk"], a["smb"], a["scale"],
+                                                           a["w"], **a["const"])
+
+        blocks = _fitting_blocks(launch, blocks)
         ctx.save_for_backward(q, k, v, lam, Ukt, Uqt, mask, mask_ids, out, lse)
         ctx.consts = (causal, scale, w, blocks)
         return out
@@ -232,22 +241,52 @@ class _TritonAttentionFn(torch.autograd.Function):
         causal, scale, w, blocks = ctx.consts
         Bf, n_q, d = q.shape
         n_k = k.shape[1]
-        BM, BN = blocks
         dout = dout.contiguous()
         Dr = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dO * O), float32
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dUk = torch.empty_like(Ukt) if Ukt is not None else None
         dUq = torch.empty_like(Uqt) if Uqt is not None else None
-        nkb = triton.cdiv(n_k, BN)
-        dlam_part = torch.empty(Bf, nkb, dtype=torch.float32, device=q.device)
-        a = _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks)
-        common = (q, k, v, lam, a["uk"], a["uq"], a["mask"], a["mids"], dout, lse, Dr)
-        tail = (*a["sizes"], a["smq"], a["smk"], a["smb"], a["scale"], a["w"])
-        _bwd_dkdv_kernel[(Bf, nkb)](*common, dk, dv, dUk if dUk is not None else dk, dlam_part, *tail, **a["const"])
-        _bwd_dq_kernel[(Bf, triton.cdiv(n_q, BM))](*common, dq, dUq if dUq is not None else dq, *tail,
-                                                   **a["const"])
-        dlam = dlam_part.sum(-1).to(lam.dtype) if ctx.needs_input_grad[3] else None
+        dlam_part = []
+
+        def args(blocks):
+            a = _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks)
+            common = (q, k, v, lam, a["uk"], a["uq"], a["mask"], a["mids"], dout, lse, Dr)
+            tail = (*a["sizes"], a["smq"], a["smk"], a["smb"], a["scale"], a["w"])
+            return common, tail, a["const"]
+
+        def launch_dkdv(blocks):
+            common, tail, const = args(blocks)
+            nkb = triton.cdiv(n_k, blocks[1])
+            part = torch.empty(Bf, nkb, dtype=torch.float32, device=q.device)
+            _bwd_dkdv_kernel[(Bf, nkb)](*common, dk, dv, dUk if dUk is not None else dk, part, *tail, **const)
+            dlam_part[:] = [part]
+
+        def launch_dq(blocks):
+            common, tail, const = args(blocks)
+            _bwd_dq_kernel[(Bf, triton.cdiv(n_q, blocks[0]))](*common, dq, dUq if dUq is not None else dq, *tail,
+                                                              **const)
+
+        _fitting_blocks(launch_dkdv, blocks)
+        _fitting_blocks(launch_dq, blocks)
+        dlam = dlam_part[0].sum(-1).to(lam.dtype) if ctx.needs_input_grad[3] else None
         return dq, dk, dv, dlam, dUk, dUq, None, None, None, None, None, None
+
+
+def _fitting_blocks(launch, blocks: tuple[int, int]) -> tuple[int, int]:
+    """``launch(blocks)``, halving the larger block while the GPU lacks shared memory or registers for it.
+
+    Returns the blocks that ran. The default blocks are a guess (no GPU was
+    at hand to tune them); a smaller GPU than the one they suit still runs.
+    """
+    while True:
+        try:
+            launch(blocks)
+            return blocks
+        except triton.runtime.errors.OutOfResources:
+            if max(blocks) <= 16:
+                raise
+            bm, bn = blocks
+            blocks = (bm // 2, bn) if bm >= bn else (bm, bn // 2)
 
 
 def _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks):
