@@ -214,8 +214,8 @@ class _TritonAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks):
-        Bf, n_q, d = q.shape
-        n_k, dv = k.shape[1], v.shape[2]
+        Bf, n_q = q.shape[:2]
+        dv = v.shape[2]
         out = torch.empty(Bf, n_q, dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(Bf, n_q, dtype=torch.float32, device=q.device)
 
