@@ -47,6 +47,7 @@ operator does), head dimensions above 256.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -225,7 +226,8 @@ class _TritonAttentionFn(torch.autograd.Function):
                                                            lse, *a["sizes"], a["smq"], a["smk"], a["smb"], a["scale"],
                                                            a["w"], **a["const"])
 
-        blocks = _fitting_blocks(launch, blocks)
+        with _device_of(q):
+            blocks = _fitting_blocks(launch, blocks)
         ctx.save_for_backward(q, k, v, lam, Ukt, Uqt, mask, mask_ids, out, lse)
         ctx.consts = (causal, scale, w, blocks)
         return out
@@ -266,10 +268,16 @@ class _TritonAttentionFn(torch.autograd.Function):
             _bwd_dq_kernel[(Bf, triton.cdiv(n_q, blocks[0]))](*common, dq, dUq if dUq is not None else dq, *tail,
                                                               **const)
 
-        _fitting_blocks(launch_dkdv, blocks)
-        _fitting_blocks(launch_dq, blocks)
+        with _device_of(q):
+            _fitting_blocks(launch_dkdv, blocks)
+            _fitting_blocks(launch_dq, blocks)
         dlam = dlam_part[0].sum(-1).to(lam.dtype) if ctx.needs_input_grad[3] else None
         return dq, dk, dv, dlam, dUk, dUq, None, None, None, None, None, None
+
+
+def _device_of(t: Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' (cuda:1 while cuda:0 is current)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
 def _fitting_blocks(launch, blocks: tuple[int, int]) -> tuple[int, int]:
