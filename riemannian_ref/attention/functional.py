@@ -7,8 +7,8 @@ precision, and dispatches to the blockwise operator (private,
 :mod:`riemannian_ref.attention._blockwise`), which never holds more than one
 tile of scores, to Triton kernels for supported calls on CUDA tensors
 (private, :mod:`riemannian_ref.attention._triton`), or to the dense reference
-where the operators have no implementation (dropout). The algorithm, written to be read, is
-:func:`riemannian_ref.attention.reference.blockwise_attention`.
+where the operators have no implementation (dropout). The algorithm, written
+to be read, is :func:`riemannian_ref.attention.reference.blockwise_attention`.
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     supports it.
 
     GPU: CUDA tensors run on Triton kernels (private,
-    :mod:`riemannian_ref.attention._triton`: a fused forward and backward with
+    ``riemannian_ref.attention._triton``: a fused forward and backward with
     the per-token metric terms computed per tile, gradients for query, key,
     value, ``U_q``, ``U_k`` and ``lam``) when ``triton`` is installed (the
     ``gpu`` extra), ``RR_DISABLE_TRITON`` is not set to ``1``, and the call is
