@@ -5,13 +5,15 @@ r"""Riemannian attention, the function other code calls.
 validates its inputs (errors name the argument), handles autocast and half
 precision, and dispatches to the blockwise operator (private,
 :mod:`riemannian_ref.attention._blockwise`), which never holds more than one
-tile of scores, or to the dense reference where the operator has no
-implementation (dropout). The algorithm, written to be read, is
-:func:`riemannian_ref.attention.reference.blockwise_attention`.
+tile of scores, to Triton kernels for supported calls on CUDA tensors
+(private, :mod:`riemannian_ref.attention._triton`), or to the dense reference
+where the operators have no implementation (dropout). The algorithm, written
+to be read, is :func:`riemannian_ref.attention.reference.blockwise_attention`.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -119,6 +121,20 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     Double backward (``create_graph=True``) is not supported by the blockwise
     operator and raises a ``RuntimeError`` that says so; the dense reference
     supports it.
+
+    GPU: CUDA tensors run on Triton kernels (private,
+    ``riemannian_ref.attention._triton``: a fused forward and backward with
+    the per-token metric terms computed per tile, gradients for query, key,
+    value, ``U_q``, ``U_k`` and ``lam``) when ``triton`` is installed (the
+    ``gpu`` extra), ``RR_DISABLE_TRITON`` is not set to ``1``, and the call is
+    supported: dtype float16, bfloat16 or float32 (computed in float32, no
+    TF32), head dimensions up to 256, no dropout, and no float ``attn_mask``
+    that requires grad (boolean masks, float masks without grad and
+    ``is_causal`` are supported; ``block_sizes`` is not used there). Every
+    other call, and every CPU call, takes the blockwise PyTorch operator
+    above. Neither path has a double backward. The kernels are tested in
+    Triton's interpreter against the dense reference; their speed on a GPU
+    has not been measured.
     """
     dev = query.device.type if isinstance(query, Tensor) else "cpu"
     if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
@@ -136,6 +152,10 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     if dropout_p > 0.0 or n_q == 0 or math.prod(batch) == 0:  # dropout, or nothing to compute
         return riemannian_attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                               U_q=U_q, U_k=U_k, lam=lam_t, metric_side=metric_side)
+    if query.device.type == "cuda" and _triton_path(query, value, attn_mask, U_q, U_k):
+        from . import _triton  # imports triton: only here, on first use
+        return _triton.attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side,
+                                      per_q, per_k, batch)
     if query.dtype in (torch.float16, torch.bfloat16):  # half inputs: compute in float32, return their dtype
         out = riemannian_attention(*_f32(query, key, value, attn_mask), 0.0, is_causal, scale, U_q=_f32(U_q),
                                    U_k=_f32(U_k), lam=_f32(lam_t), metric_side=metric_side, block_sizes=blocks)
@@ -174,6 +194,18 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
                                        Uqf.contiguous() if Uqf is not None else None,
                                        attn_mask, is_causal, scale, c, c, blocks, tuple(batch))
     return out.view(*batch, n_q, value.shape[-1])
+
+
+def _triton_path(query: Tensor, value: Tensor, attn_mask, U_q, U_k) -> bool:
+    """Whether a (validated, CUDA) call runs on the Triton kernels: triton importable, not disabled, supported."""
+    if _triton_disabled():
+        return False
+    from . import _triton  # imports triton if installed (guarded: HAS_TRITON is False otherwise)
+    return _triton.usable(query, value, attn_mask, U_q, U_k)
+
+
+def _triton_disabled() -> bool:
+    return os.environ.get("RR_DISABLE_TRITON", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _f32(*ts):

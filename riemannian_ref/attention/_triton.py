@@ -1,0 +1,588 @@
+r"""Riemannian attention as Triton kernels for GPUs (private; needs the optional ``triton``).
+
+:func:`riemannian_ref.attention.functional.riemannian_attention` calls
+:func:`attention_flat` here for CUDA tensors when :func:`usable` says the
+case is supported; :func:`riemannian_attention_triton` is the same path with
+the public signature, for tests: on CPU tensors it runs under Triton's
+interpreter (``TRITON_INTERPRET=1``, which must be set before ``triton`` is
+first imported: Triton reads it when a kernel is defined, i.e. when this
+module is imported). The package imports and works without ``triton``; this
+module is imported only on first use.
+
+The algebra is that of :mod:`riemannian_ref.attention._blockwise`, written
+per tile in the style of FlashAttention-2 :cite:`dao2023flashattention2`.
+With ``w = 1`` (``1/2`` for each side of ``"mean"``), per-token factors
+:math:`U_j` (keys) and :math:`V_i` (queries), and dropping the row constant
+:math:`-\tfrac{\text{scale}\,\lambda}{2}|q_i|^2`,
+
+.. math::
+    s_{ij} = \text{scale}\,\lambda\,(q_i\cdot k_j - \tfrac12 |k_j|^2)
+             - \tfrac{\text{scale}\,w}{2}\sum_t X_{t,ij}^2
+             - \tfrac{\text{scale}\,w}{2}\sum_t Y_{t,ij}^2,\quad
+    X_{t,ij} = q_i\cdot U_{j,t} - U_{j,t}\cdot k_j,\;
+    Y_{t,ij} = V_{i,t}\cdot q_i - V_{i,t}\cdot k_j .
+
+A tile gets every :math:`X_t` from ONE product of the query block with the
+key block's factors stacked as ``r * BLOCK_N`` rows (row ``t * BLOCK_N + j``),
+and every :math:`Y_t` from one product of the stacked query factors
+(``r * BLOCK_M`` rows) with the key block; the sums over ``t`` are reductions
+of the reshaped products. Shared metrics (``[..., d, r]``) are expanded to
+per-token factors (the gradient sums back over the tokens through autograd),
+so they cost ``r`` products per pair here, unlike the CPU operator, which folds
+them into the isotropic part.
+
+Forward: one program per (batch element, query block), online softmax in
+base 2 (running maximum, rescaling), the output and the row log-sum-exp
+stored. Backward: D = rowsum(dO * O) on the host, then one kernel per
+(batch element, key block) for dK, dV, dU_k and a partial of dlam (summed on
+the host), and one per (batch element, query block) for dQ and dU_q; both
+recompute the tiles, every program owns the rows it writes (no atomics, the
+result is deterministic). The products use ``input_precision="ieee"`` (no
+TF32): the expanded distance cancels terms of size :math:`|q|^2`. Inputs of
+float16/bfloat16 are loaded, computed in float32 and stored in their dtype.
+
+Not here (the caller keeps the PyTorch operator for these): dropout, float64,
+a float mask that requires grad, double backward (raises, as the CPU
+operator does), head dimensions above 256.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+from torch import Tensor
+
+try:  # optional: the package works without it
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - not installed (or a broken install): the CPU operator stays
+    triton = None
+    tl = None
+
+__all__: list[str] = []  # private
+
+HAS_TRITON = triton is not None
+_LOG2E = 1.0 / math.log(2.0)
+MAX_HEAD_DIM = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def disabled_by_env() -> bool:
+    """``RR_DISABLE_TRITON=1`` (or ``true``/``yes``) turns the Triton path off."""
+    return os.environ.get("RR_DISABLE_TRITON", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def interpreted() -> bool:
+    """Whether this module's kernels run in Triton's interpreter (TRITON_INTERPRET=1 at import)."""
+    return HAS_TRITON and type(_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def unsupported_reason(query: Tensor, value: Tensor, attn_mask: Tensor | None, U_q, U_k) -> str | None:
+    """Why the Triton kernels cannot run this (validated) call, or None when they can."""
+    if not HAS_TRITON:
+        return "triton is not installed"
+    if query.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {query.dtype} (the kernels take float16, bfloat16 and float32)"
+    if query.shape[-1] > MAX_HEAD_DIM or value.shape[-1] > MAX_HEAD_DIM:
+        return f"head dimension above {MAX_HEAD_DIM}"
+    if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.requires_grad:
+        return "a float attn_mask that requires grad (its gradient is not computed by the kernels)"
+    if query.device.type != "cuda" and not interpreted():
+        return "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)"
+    return None
+
+
+def usable(query: Tensor, value: Tensor, attn_mask: Tensor | None, U_q, U_k) -> bool:
+    """The dispatch rule of ``riemannian_attention``: CUDA tensors, triton present, not disabled, supported."""
+    return (query.device.type == "cuda" and not disabled_by_env()
+            and unsupported_reason(query, value, attn_mask, U_q, U_k) is None)
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def default_blocks(d: int, dv: int, rk: int, rq: int) -> tuple[int, int]:
+    """Query and key block sizes (powers of two, 16 to 64), smaller as the head dimension and the rank grow.
+
+    Not tuned on a GPU (none was at hand): chosen from the shared memory that
+    Triton 3.9 reports when it compiles the kernels for sm_80 and sm_90
+    without one (the rule keeps the stacked factor blocks at 4096 entries;
+    e.g. 66 KiB at most for d = 64, r = 2 and 132 KiB for d = 128, r = 2).
+    A GPU with less shared memory gets smaller blocks at launch
+    (:func:`_fitting_blocks`).
+    """
+    bd = max(_pow2(d), _pow2(dv))
+    RK, RQ = _pow2(max(rk, 1), 1), _pow2(max(rq, 1), 1)
+    bm = max(16, min(64, 4096 // bd, 8192 // (RQ * bd)))
+    bn = max(16, min(64, 4096 // (RK * bd)))
+    return bm, bn
+
+
+def _check_blocks(blocks) -> tuple[int, int]:
+    ok = (isinstance(blocks, (tuple, list)) and len(blocks) == 2
+          and all(isinstance(b, int) and b >= 16 and b & (b - 1) == 0 for b in blocks))
+    if not ok:
+        raise ValueError(f"Triton block sizes must be two powers of two >= 16, got {blocks!r}")
+    return int(blocks[0]), int(blocks[1])
+
+
+def _flat(x: Tensor, batch: torch.Size, tail: int) -> Tensor:
+    t = x.shape[x.dim() - tail:]
+    return x.expand(*batch, *t).reshape(math.prod(batch), *t)
+
+
+def _stacked_factors(U: Tensor | None, per_token: bool, n: int, batch: torch.Size) -> Tensor | None:
+    """Metric factors as (Bf, r, n, d), contiguous: the kernels read ``U[b, t, j, :]`` as one row."""
+    if U is None or U.shape[-1] == 0:
+        return None
+    if not per_token:  # a shared metric: the same factor for every token (autograd sums its gradient back)
+        U = U.unsqueeze(-3).expand(*U.shape[:-2], n, *U.shape[-2:])
+    return _flat(U, batch, 3).permute(0, 3, 1, 2).contiguous()
+
+
+def _mask_rows(attn_mask: Tensor, batch: torch.Size):
+    """The mask as (Mb, 1|n_q, 1|n_k) and the mask row of every flat batch element (never expanded to the batch)."""
+    m = attn_mask
+    for dim in range(m.dim() - 2):  # a batch dimension of stride 0 (an expanded mask) is read once
+        if m.stride(dim) == 0:
+            m = m.narrow(dim, 0, 1)
+    mb = m.shape[:-2]
+    flat = m.reshape(-1, *m.shape[-2:]).contiguous()
+    if flat.dtype == torch.bool:
+        flat = flat.to(torch.int8)
+    ids = torch.arange(flat.shape[0], device=m.device).view(mb).expand(batch).reshape(-1)
+    return flat, ids.to(torch.int32).contiguous()
+
+
+def attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, per_q, per_k,
+                   batch, blocks=None):
+    """The Triton path for a validated call (the arguments as ``check_attention_inputs`` returns them)."""
+    n_q, n_k, d, dv = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
+    w = 0.5 if metric_side == "mean" else 1.0
+    qf, kf, vf = (_flat(t, batch, 2).contiguous() for t in (query, key, value))
+    lamf = lam_t.expand(batch).reshape(-1).contiguous()
+    Ukt = _stacked_factors(U_k, per_k, n_k, batch)
+    Uqt = _stacked_factors(U_q, per_q, n_q, batch)
+    rk = Ukt.shape[1] if Ukt is not None else 0
+    rq = Uqt.shape[1] if Uqt is not None else 0
+    blocks = default_blocks(d, dv, rk, rq) if blocks is None else _check_blocks(blocks)
+    mflat, mids = _mask_rows(attn_mask, batch) if attn_mask is not None else (None, None)
+    out = _TritonAttentionFn.apply(qf, kf, vf, lamf, Ukt, Uqt, mflat, mids, bool(is_causal), float(scale), w,
+                                   blocks)
+    return out.view(*batch, n_q, dv)
+
+
+def riemannian_attention_triton(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, *,
+                                U_q: Tensor | None = None, U_k: Tensor | None = None, lam=1.0,
+                                metric_side: str = "key", enable_gqa: bool = False,
+                                block_sizes: tuple[int, int] | None = None) -> Tensor:
+    """``riemannian_attention`` forced onto the Triton kernels, on any device (testing entry point).
+
+    On CPU tensors it needs ``TRITON_INTERPRET=1`` set before ``triton`` is
+    first imported. ``block_sizes`` are the kernels' (powers of two >= 16).
+    Raises ``RuntimeError`` for a case the kernels do not support (see
+    :func:`unsupported_reason`) and ``NotImplementedError`` for dropout.
+    """
+    from ._validate import check_attention_inputs
+    from .functional import _repeat_kv
+
+    if enable_gqa:
+        key, value, U_k = _repeat_kv(query, key, value, U_k)
+    lam_t, scale, per_q, per_k, batch = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal,
+                                                               scale, U_q, U_k, lam, metric_side)
+    if dropout_p > 0.0:
+        raise NotImplementedError("the Triton kernels have no dropout")
+    why = unsupported_reason(query, value, attn_mask, U_q, U_k)
+    if why is not None:
+        raise RuntimeError(f"riemannian_attention_triton: not supported: {why}")
+    return attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, per_q,
+                          per_k, batch, block_sizes)
+
+
+class _TritonAttentionFn(torch.autograd.Function):
+    """Forward and backward on the Triton kernels; inputs flattened over the batch (Bf).
+
+    q (Bf, n_q, d), k (Bf, n_k, d), v (Bf, n_k, dv), lam (Bf,), Ukt (Bf, rk, n_k, d)
+    or None, Uqt (Bf, rq, n_q, d) or None, mask (Mb, 1|n_q, 1|n_k) int8 (bool) or
+    float, with mask_ids (Bf,) int32, the mask row of every batch element.
+    Saved for the backward: the inputs, the output and the row log-sum-exp
+    (base 2, float32), nothing pairwise.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks):
+        Bf, n_q = q.shape[:2]
+        dv = v.shape[2]
+        out = torch.empty(Bf, n_q, dv, dtype=q.dtype, device=q.device)
+        lse = torch.empty(Bf, n_q, dtype=torch.float32, device=q.device)
+
+        def launch(blocks):
+            a = _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks)
+            _fwd_kernel[(Bf, triton.cdiv(n_q, blocks[0]))](q, k, v, lam, a["uk"], a["uq"], a["mask"], a["mids"], out,
+                                                           lse, *a["sizes"], a["smq"], a["smk"], a["smb"], a["scale"],
+                                                           a["w"], **a["const"])
+
+        with _device_of(q):
+            blocks = _fitting_blocks(launch, blocks)
+        ctx.save_for_backward(q, k, v, lam, Ukt, Uqt, mask, mask_ids, out, lse)
+        ctx.consts = (causal, scale, w, blocks)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if torch.is_grad_enabled():  # backward(create_graph=True)
+            raise RuntimeError(
+                "riemannian_attention: the Triton kernels have no double backward (create_graph=True, e.g. a "
+                "gradient penalty); use riemannian_ref.attention.riemannian_attention_reference, the dense path, "
+                "for that (or set RR_DISABLE_TRITON=1 for the PyTorch operator, which has none either)")
+        q, k, v, lam, Ukt, Uqt, mask, mask_ids, out, lse = ctx.saved_tensors
+        causal, scale, w, blocks = ctx.consts
+        Bf, n_q, d = q.shape
+        n_k = k.shape[1]
+        dout = dout.contiguous()
+        Dr = (dout.float() * out.float()).sum(-1).contiguous()  # rowsum(dO * O), float32
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dUk = torch.empty_like(Ukt) if Ukt is not None else None
+        dUq = torch.empty_like(Uqt) if Uqt is not None else None
+        dlam_part = []
+
+        def args(blocks):
+            a = _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks)
+            common = (q, k, v, lam, a["uk"], a["uq"], a["mask"], a["mids"], dout, lse, Dr)
+            tail = (*a["sizes"], a["smq"], a["smk"], a["smb"], a["scale"], a["w"])
+            return common, tail, a["const"]
+
+        def launch_dkdv(blocks):
+            common, tail, const = args(blocks)
+            nkb = triton.cdiv(n_k, blocks[1])
+            part = torch.empty(Bf, nkb, dtype=torch.float32, device=q.device)
+            _bwd_dkdv_kernel[(Bf, nkb)](*common, dk, dv, dUk if dUk is not None else dk, part, *tail, **const)
+            dlam_part[:] = [part]
+
+        def launch_dq(blocks):
+            common, tail, const = args(blocks)
+            _bwd_dq_kernel[(Bf, triton.cdiv(n_q, blocks[0]))](*common, dq, dUq if dUq is not None else dq, *tail,
+                                                              **const)
+
+        with _device_of(q):
+            _fitting_blocks(launch_dkdv, blocks)
+            _fitting_blocks(launch_dq, blocks)
+        dlam = dlam_part[0].sum(-1).to(lam.dtype) if ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dlam, dUk, dUq, None, None, None, None, None, None
+
+
+def _device_of(t: Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' (cuda:1 while cuda:0 is current)."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+def _fitting_blocks(launch, blocks: tuple[int, int]) -> tuple[int, int]:
+    """``launch(blocks)``, halving the larger block while the GPU lacks shared memory or registers for it.
+
+    Returns the blocks that ran. The default blocks are a guess (no GPU was
+    at hand to tune them); a smaller GPU than the one they suit still runs.
+    """
+    while True:
+        try:
+            launch(blocks)
+            return blocks
+        except triton.runtime.errors.OutOfResources:
+            if max(blocks) <= 16:
+                raise
+            bm, bn = blocks
+            blocks = (bm // 2, bn) if bm >= bn else (bm, bn // 2)
+
+
+def _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks):
+    """The kernels' common arguments: sizes, mask strides, constants (the last-dim strides are 1)."""
+    Bf, n_q, d = q.shape
+    n_k, dv = k.shape[1], v.shape[2]
+    rk = Ukt.shape[1] if Ukt is not None else 0
+    rq = Uqt.shape[1] if Uqt is not None else 0
+    if mask is not None:
+        mq, mk = mask.shape[-2:]
+        smq, smk, smb = (mk if mq > 1 else 0), (1 if mk > 1 else 0), mq * mk
+        kind = 1 if mask.dtype == torch.int8 else 2
+    else:
+        smq = smk = smb = 0
+        kind = 0
+    BM, BN = blocks
+    const = dict(CAUSAL=bool(causal), MASK_KIND=kind, HAS_UK=rk > 0, HAS_UQ=rq > 0,
+                 RK=_pow2(max(rk, 1), 1), RQ=_pow2(max(rq, 1), 1), BM=BM, BN=BN, BD=_pow2(d), BDV=_pow2(dv))
+    return dict(uk=Ukt if Ukt is not None else q, uq=Uqt if Uqt is not None else q,
+                mask=mask if mask is not None else q, mids=mask_ids if mask_ids is not None else lam,
+                sizes=(n_q, n_k, d, dv, rk, rq), smq=smq, smk=smk, smb=smb, scale=float(scale), w=float(w),
+                const=const)
+
+
+if HAS_TRITON:
+    # The kernels call only builtins of triton.language and this module's jit functions: the sums and
+    # maxima are tl.reduce with the combine functions of tl.sum and tl.max themselves (what those two
+    # compile to), not tl.sum/tl.max, which are jit functions of triton's library, defined when triton
+    # was imported. Triton's interpreter then works even if triton was imported before TRITON_INTERPRET=1
+    # was set (torch._dynamo imports triton when it is installed), as long as THIS module is imported
+    # after, and it still reduces with numpy (it recognises these two combine functions).
+
+    @triton.jit
+    def _rsum(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, tl.standard._sum_combine)
+
+    @triton.jit
+    def _rmax(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+    @triton.jit
+    def _load_rows(ptr, rows, n_rows, row_stride, offs_c, n_cols):
+        """A float32 block of rows ``rows`` (masked to n_rows) and columns ``offs_c`` (masked to n_cols)."""
+        msk = (rows[:, None] < n_rows) & (offs_c[None, :] < n_cols)
+        return tl.load(ptr + rows[:, None].to(tl.int64) * row_stride + offs_c[None, :], mask=msk,
+                       other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _load_stacked(ptr, r, n, d, blk0, offs_d, R: tl.constexpr, BLK: tl.constexpr):
+        """Factors (r, n, d) of tokens blk0 .. blk0+BLK stacked as (R * BLK, d): row t * BLK + j is U[t, blk0+j]."""
+        offs = tl.arange(0, R * BLK)
+        t = offs // BLK
+        j = blk0 + offs % BLK
+        msk = (t[:, None] < r) & (j[:, None] < n) & (offs_d[None, :] < d)
+        return tl.load(ptr + (t[:, None] * n + j[:, None]).to(tl.int64) * d + offs_d[None, :], mask=msk,
+                       other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
+                CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr, HAS_UQ: tl.constexpr,
+                RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """Scores of a tile in base 2 (masked: -inf), with the rank products X (BM, RK*BN) and Y (RQ*BM, BN).
+
+        ``uk`` (RK*BN, BD) are the key block's factors stacked, ``kr`` the keys
+        repeated alike; ``uq``/``qr`` the same for the query block (RQ*BM rows).
+        """
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        kk = _rsum(k * k, 1)
+        s = (scale * lam) * (qk - 0.5 * kk[None, :])
+        X = qk
+        Y = qk
+        if HAS_UK:
+            a = _rsum(uk * kr, 1)  # U_{j,t} . k_j
+            X = tl.dot(q, tl.trans(uk), input_precision="ieee") - a[None, :]
+            X3 = tl.reshape(X, (BM, RK, BN))
+            s -= (0.5 * scale * w) * _rsum(X3 * X3, 1)
+        if HAS_UQ:
+            b = _rsum(uq * qr, 1)  # V_{i,t} . q_i
+            Y = b[:, None] - tl.dot(uq, tl.trans(k), input_precision="ieee")
+            Y3 = tl.reshape(Y, (RQ, BM, BN))
+            s -= (0.5 * scale * w) * _rsum(Y3 * Y3, 0)
+        valid = offs_n[None, :] < n_k
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        inb = (offs_m[:, None] < n_q) & (offs_n[None, :] < n_k)
+        mptr = mask_ptr + offs_m[:, None].to(tl.int64) * smq + offs_n[None, :].to(tl.int64) * smk
+        if MASK_KIND == 1:
+            valid = valid & (tl.load(mptr, mask=inb, other=0) != 0)
+        if MASK_KIND == 2:
+            s += tl.load(mptr, mask=inb, other=0.0).to(tl.float32)
+        s = tl.where(valid, s * 1.4426950408889634, float("-inf"))
+        return s, X, Y
+
+    @triton.jit
+    def _fwd_kernel(Q, K, V, LAM, UK, UQ, MASK, MIDS, OUT, LSE,
+                    n_q, n_k, d, dv, rk, rq, smq, smk, smb, scale, w,
+                    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr, HAS_UQ: tl.constexpr,
+                    RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                    BD: tl.constexpr, BDV: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        m0 = tl.program_id(1) * BM
+        offs_m = m0 + tl.arange(0, BM)
+        offs_d = tl.arange(0, BD)
+        offs_dv = tl.arange(0, BDV)
+        q = _load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d)
+        lam = tl.load(LAM + b).to(tl.float32)
+        mask_ptr = MASK
+        if MASK_KIND != 0:
+            mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
+        uq = q
+        qr = q
+        if HAS_UQ:
+            uq = _load_stacked(UQ + b * rq * n_q * d, rq, n_q, d, m0, offs_d, RQ, BM)
+            qr = _load_rows(Q + b * n_q * d, m0 + tl.arange(0, RQ * BM) % BM, n_q, d, offs_d, d)
+        m_i = tl.full((BM,), float("-inf"), tl.float32)
+        l_i = tl.full((BM,), 0.0, tl.float32)
+        acc = tl.full((BM, BDV), 0.0, tl.float32)
+        hi = n_k
+        if CAUSAL:
+            hi = tl.minimum(n_k, m0 + BM)
+        for n0 in range(0, hi, BN):
+            offs_n = n0 + tl.arange(0, BN)
+            k = _load_rows(K + b * n_k * d, offs_n, n_k, d, offs_d, d)
+            v = _load_rows(V + b * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
+            uk = k
+            kr = k
+            if HAS_UK:
+                uk = _load_stacked(UK + b * rk * n_k * d, rk, n_k, d, n0, offs_d, RK, BN)
+                kr = _load_rows(K + b * n_k * d, n0 + tl.arange(0, RK * BN) % BN, n_k, d, offs_d, d)
+            s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
+                              CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
+            m_new = tl.maximum(m_i, _rmax(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + _rsum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m_i = m_new
+        alive = l_i > 0.0  # rows that see no key: output 0, lse +inf (their weights are 0 in the backward)
+        out = acc / tl.where(alive, l_i, 1.0)[:, None]
+        m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+        lse = tl.where(alive, m_fin + tl.log2(tl.where(alive, l_i, 1.0)), float("inf"))
+        omask = (offs_m[:, None] < n_q) & (offs_dv[None, :] < dv)
+        tl.store(OUT + b * n_q * dv + offs_m[:, None].to(tl.int64) * dv + offs_dv[None, :],
+                 out.to(OUT.dtype.element_ty), mask=omask)
+        tl.store(LSE + b * n_q + offs_m, lse, mask=offs_m < n_q)
+
+    @triton.jit
+    def _bwd_dkdv_kernel(Q, K, V, LAM, UK, UQ, MASK, MIDS, DO, LSE, DR, DK, DV, DUK, DLAM,
+                         n_q, n_k, d, dv, rk, rq, smq, smk, smb, scale, w,
+                         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr,
+                         HAS_UQ: tl.constexpr, RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+        n0 = pid_n * BN
+        offs_n = n0 + tl.arange(0, BN)
+        offs_d = tl.arange(0, BD)
+        offs_dv = tl.arange(0, BDV)
+        k = _load_rows(K + b * n_k * d, offs_n, n_k, d, offs_d, d)
+        v = _load_rows(V + b * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
+        lam = tl.load(LAM + b).to(tl.float32)
+        mask_ptr = MASK
+        if MASK_KIND != 0:
+            mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
+        uk = k
+        kr = k
+        if HAS_UK:
+            uk = _load_stacked(UK + b * rk * n_k * d, rk, n_k, d, n0, offs_d, RK, BN)
+            kr = _load_rows(K + b * n_k * d, n0 + tl.arange(0, RK * BN) % BN, n_k, d, offs_d, d)
+        acc_g = tl.full((BN, BD), 0.0, tl.float32)  # sum_i dS_ij q_i
+        colsum = tl.full((BN,), 0.0, tl.float32)  # sum_i dS_ij
+        acc_dv = tl.full((BN, BDV), 0.0, tl.float32)
+        acc_du = tl.full((RK * BN, BD), 0.0, tl.float32)  # sum_i dS_ij X_t,ij q_i
+        cx = tl.full((RK * BN,), 0.0, tl.float32)  # sum_i dS_ij X_t,ij
+        acc_y = tl.full((BN, BD), 0.0, tl.float32)  # sum_{i,t} dS_ij Y_t,ij V_i,t
+        lo = 0
+        if CAUSAL:
+            lo = n0  # queries before the block's first key see none of its keys
+        for m0 in range(lo, n_q, BM):
+            offs_m = m0 + tl.arange(0, BM)
+            q = _load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d)
+            do = _load_rows(DO + b * n_q * dv, offs_m, n_q, dv, offs_dv, dv)
+            lse = tl.load(LSE + b * n_q + offs_m, mask=offs_m < n_q, other=float("inf"))
+            Dr = tl.load(DR + b * n_q + offs_m, mask=offs_m < n_q, other=0.0)
+            uq = q
+            qr = q
+            if HAS_UQ:
+                uq = _load_stacked(UQ + b * rq * n_q * d, rq, n_q, d, m0, offs_d, RQ, BM)
+                qr = _load_rows(Q + b * n_q * d, m0 + tl.arange(0, RQ * BM) % BM, n_q, d, offs_d, d)
+            s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
+                              CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
+            p = tl.exp2(s - lse[:, None])
+            acc_dv += tl.dot(tl.trans(p), do, input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+            ds = p * (dp - Dr[:, None])
+            acc_g += tl.dot(tl.trans(ds), q, input_precision="ieee")
+            colsum += _rsum(ds, 0)
+            if HAS_UK:
+                dsx = tl.reshape(ds[:, None, :] * tl.reshape(X, (BM, RK, BN)), (BM, RK * BN))
+                acc_du += tl.dot(tl.trans(dsx), q, input_precision="ieee")
+                cx += _rsum(dsx, 0)
+            if HAS_UQ:
+                dsy = tl.reshape(ds[None, :, :] * tl.reshape(Y, (RQ, BM, BN)), (RQ * BM, BN))
+                acc_y += tl.dot(tl.trans(dsy), uq, input_precision="ieee")
+        dk = (scale * lam) * (acc_g - colsum[:, None] * k)
+        if HAS_UK:
+            dk += (scale * w) * _rsum(tl.reshape(cx[:, None] * uk, (RK, BN, BD)), 0)
+            du = -(scale * w) * (acc_du - cx[:, None] * kr)
+            offs = tl.arange(0, RK * BN)
+            t = offs // BN
+            j = n0 + offs % BN
+            umask = (t[:, None] < rk) & (j[:, None] < n_k) & (offs_d[None, :] < d)
+            tl.store(DUK + b * rk * n_k * d + (t[:, None] * n_k + j[:, None]).to(tl.int64) * d + offs_d[None, :],
+                     du.to(DUK.dtype.element_ty), mask=umask)
+        if HAS_UQ:
+            dk += (scale * w) * acc_y
+        kmask = (offs_n[:, None] < n_k) & (offs_d[None, :] < d)
+        tl.store(DK + b * n_k * d + offs_n[:, None].to(tl.int64) * d + offs_d[None, :],
+                 dk.to(DK.dtype.element_ty), mask=kmask)
+        vmask = (offs_n[:, None] < n_k) & (offs_dv[None, :] < dv)
+        tl.store(DV + b * n_k * dv + offs_n[:, None].to(tl.int64) * dv + offs_dv[None, :],
+                 acc_dv.to(DV.dtype.element_ty), mask=vmask)
+        # d s_ij / d lam = scale (q_i . k_j - |k_j|^2 / 2) (the row constant has zero gradient)
+        dlam = scale * (_rsum(_rsum(k * acc_g, 1), 0) - 0.5 * _rsum(colsum * _rsum(k * k, 1), 0))
+        tl.store(DLAM + b * tl.num_programs(1) + pid_n, dlam)
+
+    @triton.jit
+    def _bwd_dq_kernel(Q, K, V, LAM, UK, UQ, MASK, MIDS, DO, LSE, DR, DQ, DUQ,
+                       n_q, n_k, d, dv, rk, rq, smq, smk, smb, scale, w,
+                       CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr,
+                       HAS_UQ: tl.constexpr, RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        m0 = tl.program_id(1) * BM
+        offs_m = m0 + tl.arange(0, BM)
+        offs_d = tl.arange(0, BD)
+        offs_dv = tl.arange(0, BDV)
+        q = _load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d)
+        do = _load_rows(DO + b * n_q * dv, offs_m, n_q, dv, offs_dv, dv)
+        lse = tl.load(LSE + b * n_q + offs_m, mask=offs_m < n_q, other=float("inf"))
+        Dr = tl.load(DR + b * n_q + offs_m, mask=offs_m < n_q, other=0.0)
+        lam = tl.load(LAM + b).to(tl.float32)
+        mask_ptr = MASK
+        if MASK_KIND != 0:
+            mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
+        uq = q
+        qr = q
+        if HAS_UQ:
+            uq = _load_stacked(UQ + b * rq * n_q * d, rq, n_q, d, m0, offs_d, RQ, BM)
+            qr = _load_rows(Q + b * n_q * d, m0 + tl.arange(0, RQ * BM) % BM, n_q, d, offs_d, d)
+        acc_dq = tl.full((BM, BD), 0.0, tl.float32)
+        acc_dvq = tl.full((RQ * BM, BD), 0.0, tl.float32)  # sum_j dS_ij Y_t,ij k_j
+        yq = tl.full((RQ * BM,), 0.0, tl.float32)  # sum_j dS_ij Y_t,ij
+        hi = n_k
+        if CAUSAL:
+            hi = tl.minimum(n_k, m0 + BM)
+        for n0 in range(0, hi, BN):
+            offs_n = n0 + tl.arange(0, BN)
+            k = _load_rows(K + b * n_k * d, offs_n, n_k, d, offs_d, d)
+            v = _load_rows(V + b * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
+            uk = k
+            kr = k
+            if HAS_UK:
+                uk = _load_stacked(UK + b * rk * n_k * d, rk, n_k, d, n0, offs_d, RK, BN)
+                kr = _load_rows(K + b * n_k * d, n0 + tl.arange(0, RK * BN) % BN, n_k, d, offs_d, d)
+            s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
+                              CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
+            p = tl.exp2(s - lse[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+            ds = p * (dp - Dr[:, None])
+            acc_dq += (scale * lam) * tl.dot(ds, k, input_precision="ieee")
+            if HAS_UK:
+                dsx = tl.reshape(ds[:, None, :] * tl.reshape(X, (BM, RK, BN)), (BM, RK * BN))
+                acc_dq -= (scale * w) * tl.dot(dsx, uk, input_precision="ieee")
+            if HAS_UQ:
+                dsy = tl.reshape(ds[None, :, :] * tl.reshape(Y, (RQ, BM, BN)), (RQ * BM, BN))
+                yq += _rsum(dsy, 1)
+                acc_dvq += tl.dot(dsy, k, input_precision="ieee")
+        if HAS_UQ:
+            acc_dq -= (scale * w) * _rsum(tl.reshape(yq[:, None] * uq, (RQ, BM, BD)), 0)
+            duq = -(scale * w) * (yq[:, None] * qr - acc_dvq)
+            offs = tl.arange(0, RQ * BM)
+            t = offs // BM
+            i = m0 + offs % BM
+            umask = (t[:, None] < rq) & (i[:, None] < n_q) & (offs_d[None, :] < d)
+            tl.store(DUQ + b * rq * n_q * d + (t[:, None] * n_q + i[:, None]).to(tl.int64) * d + offs_d[None, :],
+                     duq.to(DUQ.dtype.element_ty), mask=umask)
+        qmask = (offs_m[:, None] < n_q) & (offs_d[None, :] < d)
+        tl.store(DQ + b * n_q * d + offs_m[:, None].to(tl.int64) * d + offs_d[None, :],
+                 acc_dq.to(DQ.dtype.element_ty), mask=qmask)

@@ -1,0 +1,188 @@
+"""The Triton kernels of riemannian_attention (riemannian_ref.attention._triton) on CPU, in Triton's interpreter.
+
+Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when the module
+riemannian_ref.attention._triton is imported: this file sets it before that
+import (the package itself never imports the module, only a CUDA call or this
+test does). Under pytest-xdist (``--dist loadfile``) the variable is set in
+every worker that collects this file; it only affects Triton. Oracle: the
+dense reference, float32, outputs and every gradient. The shapes are tiny
+(the interpreter runs each program in numpy) and the blocks are 16, so
+n = 33 spans three blocks with a partial one. No GPU speed is measured here.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (see the module docstring)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import riemannian_ref as rr  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (optional: pip install riemannian_ref[gpu])")
+from riemannian_ref.attention import _triton as T  # noqa: E402
+from riemannian_ref.attention import functional  # noqa: E402
+
+if not T.interpreted():
+    pytest.skip("riemannian_ref.attention._triton was imported before TRITON_INTERPRET=1 was set in this "
+                "process, so its kernels are compiled for a GPU; run this file on its own",
+                allow_module_level=True)
+
+F32 = torch.float32
+BLOCKS = (16, 16)
+
+
+def make(gen, side, *, B=1, h=2, nq=33, nk=33, d=16, r=2, dv=16, shared=False, dtype=F32):
+    q = torch.randn(B, h, nq, d, generator=gen)
+    k = torch.randn(B, h, nk, d, generator=gen)
+    v = torch.randn(B, h, nk, dv, generator=gen)
+    tq, tk = ((), ()) if shared else ((nq,), (nk,))
+    Uq = 0.5 * torch.randn(B, h, *tq, d, r, generator=gen) if side in ("query", "mean") else None
+    Uk = 0.5 * torch.randn(B, h, *tk, d, r, generator=gen) if side in ("key", "mean") else None
+    lam = torch.rand(h, generator=gen) + 0.5
+    return [t.to(dtype) if t is not None else None for t in (q, k, v, lam, Uq, Uk)]
+
+
+def key_padding(gen, B, nk):
+    """[B, 1, 1, n_k] bool: each sequence has its last keys padded (at least key 0 stays)."""
+    keep = torch.ones(B, 1, 1, nk, dtype=torch.bool)
+    for b in range(B):
+        keep[b, ..., int(torch.randint(1, nk, (1,), generator=gen)):] = False
+    return keep
+
+
+def outputs_and_grads(fn, ins, mask, causal, side, **kw):
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None for t in ins]
+    q, k, v, lam, Uq, Uk = leaves
+    out = fn(q, k, v, mask, is_causal=causal, lam=lam, U_q=Uq, U_k=Uk, metric_side=side, **kw)
+    g = torch.linspace(-1.0, 1.0, out.numel()).view(out.shape).to(out.dtype)  # a fixed upstream gradient
+    used = [t for t in leaves if t is not None]
+    return [out, *torch.autograd.grad(out, used, g)]
+
+
+def check_against_reference(ins, mask, causal, side, rtol=1e-4):
+    tri = outputs_and_grads(T.riemannian_attention_triton, ins, mask, causal, side, block_sizes=BLOCKS)
+    ref = outputs_and_grads(rr.riemannian_attention_reference, ins, mask, causal, side)
+    names = ["out", "q", "k", "v", "lam"] + [n for n, t in (("U_q", ins[4]), ("U_k", ins[5])) if t is not None]
+    for name, a, b in zip(names, tri, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
+    return tri
+
+
+CASES = [  # (side, n, r, mask kind, causal)
+    ("key", 16, 1, "none", False),
+    ("key", 33, 2, "none", True),
+    ("key", 33, 1, "padding", False),
+    ("key", 33, 2, "padding", True),
+    ("query", 33, 2, "none", True),
+    ("query", 16, 1, "padding", False),
+    ("mean", 33, 1, "none", False),
+    ("mean", 33, 2, "padding", True),
+]
+
+
+@pytest.mark.parametrize("side, n, r, mask_kind, causal", CASES)
+def test_outputs_and_gradients_match_the_dense_reference(gen, side, n, r, mask_kind, causal):
+    ins = make(gen, side, B=2, nq=n, nk=n, r=r)
+    mask = key_padding(gen, 2, n) if mask_kind == "padding" else None
+    check_against_reference(ins, mask, causal, side)
+
+
+@pytest.mark.parametrize("side", ["key", "mean"])
+def test_shared_metrics_and_more_queries_than_keys(gen, side):
+    """Shared factors [..., d, r] (expanded per token; the gradient sums back), n_q != n_k, odd d and d_v."""
+    ins = make(gen, side, nq=21, nk=18, d=12, dv=5, shared=True)
+    check_against_reference(ins, None, True, side)  # causal, top-left aligned as SDPA
+
+
+def test_no_metric_factors_is_distance_attention(gen):
+    ins = make(gen, "key", nq=20, nk=20)
+    ins[5] = None  # G = lam I
+    check_against_reference(ins, None, False, "key")
+
+
+def test_general_bool_and_float_masks_and_dead_rows(gen):
+    """A per-element boolean mask with a fully masked row, and an additive float mask (no grad) with -inf."""
+    ins = make(gen, "key", B=2, nq=20, nk=18, r=1)
+    keep = torch.rand(20, 18, generator=gen) > 0.4
+    keep[:, 0] = True
+    keep[3] = False  # a row that sees no key
+    out, dq, *_ = check_against_reference(ins, keep, False, "key")
+    assert (out[..., 3, :] == 0).all() and (dq[..., 3, :] == 0).all()
+    bias = torch.randn(2, 1, 20, 18, generator=gen).masked_fill(~keep, float("-inf"))
+    out, *grads = check_against_reference(ins, bias, True, "key")
+    assert (out[..., 3, :] == 0).all() and all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_inputs_compute_in_float32_and_keep_their_dtype(gen, dtype):
+    ins = make(gen, "key", nq=20, nk=20, r=1, dtype=dtype)
+    tri = outputs_and_grads(T.riemannian_attention_triton, ins, None, True, "key", block_sizes=BLOCKS)
+    ref = outputs_and_grads(rr.riemannian_attention_reference, [t.float() for t in ins[:4]] + [None, ins[5].float()],
+                            None, True, "key")
+    tol = 1e-2 if dtype == torch.float16 else 6e-2  # the inputs' and outputs' rounding
+    for a, b in zip(tri, ref):
+        assert a.dtype == dtype and torch.isfinite(a).all()
+        torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol * b.abs().max().item())
+
+
+def test_gqa_entry_point(gen):
+    q, k, v, lam, _, Uk = make(gen, "key", nq=16, nk=16, h=4)
+    k, v, Uk = k[:, :2], v[:, :2], Uk[:, :2]
+    out = T.riemannian_attention_triton(q, k, v, U_k=Uk, lam=lam, enable_gqa=True)  # default blocks
+    ref = rr.riemannian_attention_reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                            U_k=Uk.repeat_interleave(2, 1), lam=lam)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_cases_are_refused_clearly(gen):
+    q, k, v, lam, _, Uk = make(gen, "key", nq=16, nk=16)
+    bias = torch.zeros(16, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        T.riemannian_attention_triton(q, k, v, bias, U_k=Uk, lam=lam)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        T.riemannian_attention_triton(q, k, v, None, 0.1, U_k=Uk, lam=lam)
+    with pytest.raises(RuntimeError, match="dtype"):
+        T.riemannian_attention_triton(q.double(), k.double(), v.double(), U_k=Uk.double(), lam=lam.double())
+    with pytest.raises(ValueError, match="powers of two"):
+        T.riemannian_attention_triton(q, k, v, U_k=Uk, lam=lam, block_sizes=(2, 3))
+    qq = q.clone().requires_grad_()
+    out = T.riemannian_attention_triton(qq, k, v, U_k=Uk, lam=lam, block_sizes=BLOCKS)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.sum(), qq, create_graph=True)
+
+
+def test_dispatch_rule(gen, monkeypatch):
+    """CPU calls keep the PyTorch operator; the Triton path is for CUDA tensors and can be switched off."""
+    q, k, v, lam, _, Uk = make(gen, "key", nq=8, nk=8, d=4, dv=4)
+    assert not T.usable(q, v, None, None, Uk)  # CPU tensors: never dispatched, even under the interpreter
+    assert T.unsupported_reason(q, v, None, None, Uk) is None  # ... but runnable through the test entry point
+    monkeypatch.setattr(T, "attention_flat", lambda *a, **kw: pytest.fail("CPU call reached the Triton path"))
+    rr.riemannian_attention(q, k, v, U_k=Uk, lam=lam)
+    monkeypatch.setenv("RR_DISABLE_TRITON", "1")
+    assert T.disabled_by_env() and functional._triton_disabled()
+
+
+def test_blocks_shrink_when_the_gpu_lacks_resources():
+    """A launch that runs out of shared memory is retried with the larger block halved, down to 16."""
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    def launch(blocks):
+        tried.append(blocks)
+        if blocks[0] * blocks[1] > 32 * 32:
+            raise OutOfResources(100_000, 99_000, "shared memory")
+
+    assert T._fitting_blocks(launch, (64, 64)) == (32, 32)
+    assert tried == [(64, 64), (32, 64), (32, 32)]
+    with pytest.raises(OutOfResources):
+        T._fitting_blocks(lambda b: launch((64, 64)), (32, 16))
+
+
+def test_rows_whose_scores_are_all_far_below_zero(gen):
+    """Every key far from every query (scores around -1e3): the online softmax keeps the rows exact, no NaN."""
+    ins = make(gen, "key", nq=20, nk=20, r=1)
+    ins[0] = ins[0] + 12.0  # |q - k|^2 ~ 16 * 144: exp of the raw scores underflows in float32
+    out, *grads = check_against_reference(ins, None, True, "key")
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
