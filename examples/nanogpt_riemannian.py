@@ -148,7 +148,12 @@ def train(args: argparse.Namespace) -> dict:
         model.train()
         return out
 
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1)
+    metric = [p for name, p in model.named_parameters() if ".metric." in name]
+    rest = [p for name, p in model.named_parameters() if ".metric." not in name]
+    groups = [{"params": rest, "lr_scale": 1.0}]
+    if metric:  # the metric networks may learn at a rate of their own
+        groups.append({"params": metric, "lr_scale": args.metric_lr_scale})
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1)
     warmup = max(1, args.steps // 20)
     curve, t0, c0 = [], time.perf_counter(), time.process_time()
     for step in range(args.steps + 1):
@@ -162,7 +167,7 @@ def train(args: argparse.Namespace) -> dict:
             break
         lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         for group in opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_scale"]
         _, loss = model(*get_batch("train"))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -194,6 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--metric-lr-scale", type=float, default=1.0,
+                   help="learning rate of the metric networks relative to --lr")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
