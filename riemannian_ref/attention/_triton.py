@@ -353,6 +353,17 @@ if HAS_TRITON:
                        other=0.0).to(tl.float32)
 
     @triton.jit
+    def _factor_rows(X, U, b, blk0, n, d, r, x, offs_d, HAS_U: tl.constexpr, R: tl.constexpr,
+                     BLK: tl.constexpr):
+        """A block's factors stacked as (R * BLK, d) and its rows repeated alike (``x`` where it has none)."""
+        u = x
+        xr = x
+        if HAS_U:
+            u = _load_stacked(U + b * r * n * d, r, n, d, blk0, offs_d, R, BLK)
+            xr = _load_rows(X + b * n * d, blk0 + tl.arange(0, R * BLK) % BLK, n, d, offs_d, d)
+        return u, xr
+
+    @triton.jit
     def _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
                 CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr, HAS_UQ: tl.constexpr,
                 RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
@@ -404,11 +415,7 @@ if HAS_TRITON:
         mask_ptr = MASK
         if MASK_KIND != 0:
             mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
-        uq = q
-        qr = q
-        if HAS_UQ:
-            uq = _load_stacked(UQ + b * rq * n_q * d, rq, n_q, d, m0, offs_d, RQ, BM)
-            qr = _load_rows(Q + b * n_q * d, m0 + tl.arange(0, RQ * BM) % BM, n_q, d, offs_d, d)
+        uq, qr = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.full((BM,), 0.0, tl.float32)
         acc = tl.full((BM, BDV), 0.0, tl.float32)
@@ -419,11 +426,7 @@ if HAS_TRITON:
             offs_n = n0 + tl.arange(0, BN)
             k = _load_rows(K + b * n_k * d, offs_n, n_k, d, offs_d, d)
             v = _load_rows(V + b * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
-            uk = k
-            kr = k
-            if HAS_UK:
-                uk = _load_stacked(UK + b * rk * n_k * d, rk, n_k, d, n0, offs_d, RK, BN)
-                kr = _load_rows(K + b * n_k * d, n0 + tl.arange(0, RK * BN) % BN, n_k, d, offs_d, d)
+            uk, kr = _factor_rows(K, UK, b, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN)
             s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
                               CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
             m_new = tl.maximum(m_i, _rmax(s, 1))
@@ -460,11 +463,7 @@ if HAS_TRITON:
         mask_ptr = MASK
         if MASK_KIND != 0:
             mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
-        uk = k
-        kr = k
-        if HAS_UK:
-            uk = _load_stacked(UK + b * rk * n_k * d, rk, n_k, d, n0, offs_d, RK, BN)
-            kr = _load_rows(K + b * n_k * d, n0 + tl.arange(0, RK * BN) % BN, n_k, d, offs_d, d)
+        uk, kr = _factor_rows(K, UK, b, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN)
         acc_g = tl.full((BN, BD), 0.0, tl.float32)  # sum_i dS_ij q_i
         colsum = tl.full((BN,), 0.0, tl.float32)  # sum_i dS_ij
         acc_dv = tl.full((BN, BDV), 0.0, tl.float32)
@@ -480,11 +479,7 @@ if HAS_TRITON:
             do = _load_rows(DO + b * n_q * dv, offs_m, n_q, dv, offs_dv, dv)
             lse = tl.load(LSE + b * n_q + offs_m, mask=offs_m < n_q, other=float("inf"))
             Dr = tl.load(DR + b * n_q + offs_m, mask=offs_m < n_q, other=0.0)
-            uq = q
-            qr = q
-            if HAS_UQ:
-                uq = _load_stacked(UQ + b * rq * n_q * d, rq, n_q, d, m0, offs_d, RQ, BM)
-                qr = _load_rows(Q + b * n_q * d, m0 + tl.arange(0, RQ * BM) % BM, n_q, d, offs_d, d)
+            uq, qr = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM)
             s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
                               CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
             p = tl.exp2(s - lse[:, None])
@@ -541,11 +536,7 @@ if HAS_TRITON:
         mask_ptr = MASK
         if MASK_KIND != 0:
             mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
-        uq = q
-        qr = q
-        if HAS_UQ:
-            uq = _load_stacked(UQ + b * rq * n_q * d, rq, n_q, d, m0, offs_d, RQ, BM)
-            qr = _load_rows(Q + b * n_q * d, m0 + tl.arange(0, RQ * BM) % BM, n_q, d, offs_d, d)
+        uq, qr = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM)
         acc_dq = tl.full((BM, BD), 0.0, tl.float32)
         acc_dvq = tl.full((RQ * BM, BD), 0.0, tl.float32)  # sum_j dS_ij Y_t,ij k_j
         yq = tl.full((RQ * BM,), 0.0, tl.float32)  # sum_j dS_ij Y_t,ij
@@ -556,11 +547,7 @@ if HAS_TRITON:
             offs_n = n0 + tl.arange(0, BN)
             k = _load_rows(K + b * n_k * d, offs_n, n_k, d, offs_d, d)
             v = _load_rows(V + b * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
-            uk = k
-            kr = k
-            if HAS_UK:
-                uk = _load_stacked(UK + b * rk * n_k * d, rk, n_k, d, n0, offs_d, RK, BN)
-                kr = _load_rows(K + b * n_k * d, n0 + tl.arange(0, RK * BN) % BN, n_k, d, offs_d, d)
+            uk, kr = _factor_rows(K, UK, b, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN)
             s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
                               CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
             p = tl.exp2(s - lse[:, None])
