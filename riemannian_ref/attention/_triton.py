@@ -364,6 +364,24 @@ if HAS_TRITON:
         return u, xr
 
     @triton.jit
+    def _mask_base(MASK, MIDS, b, smb, MASK_KIND: tl.constexpr):
+        """Where batch element b's mask starts (masks are stored once per distinct mask, MIDS maps to them)."""
+        mask_ptr = MASK
+        if MASK_KIND != 0:
+            mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
+        return mask_ptr
+
+    @triton.jit
+    def _key_tile(K, V, UK, b, n0, n_k, d, dv, rk, offs_d, offs_dv, HAS_UK: tl.constexpr, RK: tl.constexpr,
+                  BN: tl.constexpr):
+        """Keys, values, stacked key factors and repeated keys of the key block starting at n0."""
+        offs_n = n0 + tl.arange(0, BN)
+        k = _load_rows(K + b * n_k * d, offs_n, n_k, d, offs_d, d)
+        v = _load_rows(V + b * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
+        uk, kr = _factor_rows(K, UK, b, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN)
+        return offs_n, k, v, uk, kr
+
+    @triton.jit
     def _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
                 CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr, HAS_UQ: tl.constexpr,
                 RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
@@ -412,9 +430,7 @@ if HAS_TRITON:
         offs_dv = tl.arange(0, BDV)
         q = _load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d)
         lam = tl.load(LAM + b).to(tl.float32)
-        mask_ptr = MASK
-        if MASK_KIND != 0:
-            mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
+        mask_ptr = _mask_base(MASK, MIDS, b, smb, MASK_KIND)
         uq, qr = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.full((BM,), 0.0, tl.float32)
@@ -423,10 +439,7 @@ if HAS_TRITON:
         if CAUSAL:
             hi = tl.minimum(n_k, m0 + BM)
         for n0 in range(0, hi, BN):
-            offs_n = n0 + tl.arange(0, BN)
-            k = _load_rows(K + b * n_k * d, offs_n, n_k, d, offs_d, d)
-            v = _load_rows(V + b * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
-            uk, kr = _factor_rows(K, UK, b, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN)
+            offs_n, k, v, uk, kr = _key_tile(K, V, UK, b, n0, n_k, d, dv, rk, offs_d, offs_dv, HAS_UK, RK, BN)
             s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
                               CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
             m_new = tl.maximum(m_i, _rmax(s, 1))
@@ -460,9 +473,7 @@ if HAS_TRITON:
         k = _load_rows(K + b * n_k * d, offs_n, n_k, d, offs_d, d)
         v = _load_rows(V + b * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
         lam = tl.load(LAM + b).to(tl.float32)
-        mask_ptr = MASK
-        if MASK_KIND != 0:
-            mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
+        mask_ptr = _mask_base(MASK, MIDS, b, smb, MASK_KIND)
         uk, kr = _factor_rows(K, UK, b, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN)
         acc_g = tl.full((BN, BD), 0.0, tl.float32)  # sum_i dS_ij q_i
         colsum = tl.full((BN,), 0.0, tl.float32)  # sum_i dS_ij
@@ -533,9 +544,7 @@ if HAS_TRITON:
         lse = tl.load(LSE + b * n_q + offs_m, mask=offs_m < n_q, other=float("inf"))
         Dr = tl.load(DR + b * n_q + offs_m, mask=offs_m < n_q, other=0.0)
         lam = tl.load(LAM + b).to(tl.float32)
-        mask_ptr = MASK
-        if MASK_KIND != 0:
-            mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
+        mask_ptr = _mask_base(MASK, MIDS, b, smb, MASK_KIND)
         uq, qr = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM)
         acc_dq = tl.full((BM, BD), 0.0, tl.float32)
         acc_dvq = tl.full((RQ * BM, BD), 0.0, tl.float32)  # sum_j dS_ij Y_t,ij k_j
@@ -544,10 +553,7 @@ if HAS_TRITON:
         if CAUSAL:
             hi = tl.minimum(n_k, m0 + BM)
         for n0 in range(0, hi, BN):
-            offs_n = n0 + tl.arange(0, BN)
-            k = _load_rows(K + b * n_k * d, offs_n, n_k, d, offs_d, d)
-            v = _load_rows(V + b * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
-            uk, kr = _factor_rows(K, UK, b, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN)
+            offs_n, k, v, uk, kr = _key_tile(K, V, UK, b, n0, n_k, d, dv, rk, offs_d, offs_dv, HAS_UK, RK, BN)
             s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
                               CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
             p = tl.exp2(s - lse[:, None])
