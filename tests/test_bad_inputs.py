@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import math
-import os
 import pickle
-import sys
 
 import pytest
 import torch
@@ -39,6 +36,8 @@ from torch import nn
 
 import riemannian_ref as rr
 from riemannian_ref import data
+
+from _helpers import Boom, train_script, unsafe_load
 
 F64 = torch.float64
 
@@ -194,19 +193,6 @@ def test_model_inputs_refuse_by_name(gen):
 
 # ============================================================ 3. files: checkpoints and resume
 
-class _Boom:
-    """Unpickling this calls _boom: the payload of a crafted checkpoint."""
-    calls = 0
-
-    def __reduce__(self):
-        return (_boom, ())
-
-
-def _boom():
-    _Boom.calls += 1
-    return {}
-
-
 def _recall():
     return data.make_task("recall", seed=0, n_train=128, n_val=32, vocab_size=16, n_pairs=3, seq_len=12)
 
@@ -232,25 +218,24 @@ def checkpoint(tmp_path):
 
 def test_a_checkpoint_holding_a_pickled_callable_is_refused_without_calling_it(tmp_path, checkpoint):
     blob = torch.load(checkpoint, weights_only=True)
-    blob["history"] = _Boom()  # a crafted file: unpickling it runs _boom
+    blob["history"] = Boom()  # a crafted file: unpickling it runs _boom
     evil = tmp_path / "evil.pt"
     torch.save(blob, evil)
     tr, va = _recall()
-    _Boom.calls = 0
+    Boom.calls = 0
     model = _fbt(seed=1)
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=r"evil\.pt.*cannot be read safely"):
         rr.train(model, tr, va, _cfg(evil, resume=True))
-    assert _Boom.calls == 0
+    assert Boom.calls == 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was loaded
-    with open(evil, "rb") as f:  # the unsafe loader would have run it: the test file is what we think
-        torch.load(f, weights_only=False)
-    assert _Boom.calls == 1
+    unsafe_load(evil)  # the unsafe loader would have run it: the test file is what we think
+    assert Boom.calls == 1
     plain = tmp_path / "plain.pkl"  # a plain pickle, not a torch file
-    plain.write_bytes(pickle.dumps(_Boom(), protocol=2))
+    plain.write_bytes(pickle.dumps(Boom(), protocol=2))
     with pytest.raises(ValueError, match=r"plain\.pkl.*cannot be read safely"):
         rr.train(_fbt(), tr, va, _cfg(plain, resume=True))
-    assert _Boom.calls == 1
+    assert Boom.calls == 1
 
 
 def test_damaged_and_foreign_files_name_the_file_and_the_problem(tmp_path, checkpoint):
@@ -324,17 +309,8 @@ def test_resume_ignores_what_does_not_define_the_run(checkpoint):
     assert res.steps_done == 6 and res.history["step"] == [0, 2, 4, 6]
 
 
-def _train_script():
-    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "train.py")
-    spec = importlib.util.spec_from_file_location("rr_train_script_bad_inputs", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["rr_train_script_bad_inputs"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_default_paths_of_the_train_script_do_not_collide():
-    script = _train_script()
+    script = train_script()
     base = ["--task", "recall", "--mode", "riemannian", "--seed", "0", "--steps", "10"]
     paths = {}
     for extra in ([], ["--d-model", "128"], ["--n-layers", "3"], ["--lr", "0.01"], ["--metric-rank", "4"],

@@ -13,6 +13,8 @@ import riemannian_ref as rr
 from riemannian_ref.attention.connections import CONNECTIONS
 from riemannian_ref.models import MODES, FiberBundleOutput
 
+from _helpers import Boom, unsafe_load
+
 B, N = 2, 12
 
 
@@ -278,36 +280,22 @@ def test_load_with_another_config_names_the_differing_fields(tmp_path):
     assert str(path) in msg
 
 
-class _Boom:
-    """Unpickling calls boom(): the file must be refused before any code from it runs."""
-
-    calls = 0
-
-    def __reduce__(self):
-        return (_boom, ())
-
-
-def _boom():
-    _Boom.calls += 1
-    return {}
-
-
 def test_load_refuses_a_pickled_callable_without_calling_it(tmp_path):
+    Boom.calls = 0
     path = tmp_path / "evil.pt"
     model = _model(dtype=torch.float32)
-    torch.save({"format": "riemannian_ref.FiberBundleTransformer/1", "config": _Boom(),
+    torch.save({"format": "riemannian_ref.FiberBundleTransformer/1", "config": Boom(),
                 "state_dict": model.state_dict()}, path)
     with pytest.raises(ValueError, match="not a readable riemannian_ref model file"):
         rr.FiberBundleTransformer.load(path)
-    assert _Boom.calls == 0
-    with open(path, "rb") as f:  # the unsafe loader would have run it: the test file is what we think
-        blob = torch.load(f, weights_only=False)
-    assert _Boom.calls == 1 and blob["config"] == {}
+    assert Boom.calls == 0
+    blob = unsafe_load(path)  # the unsafe loader would have run it: the test file is what we think
+    assert Boom.calls == 1 and blob["config"] == {}
     plain = tmp_path / "plain.pkl"
-    plain.write_bytes(pickle.dumps(_Boom(), protocol=2))
+    plain.write_bytes(pickle.dumps(Boom(), protocol=2))
     with pytest.raises(ValueError, match="not a readable"):
         rr.FiberBundleTransformer.load(plain)
-    assert _Boom.calls == 1
+    assert Boom.calls == 1
 
 
 def test_load_refuses_foreign_or_mismatched_files(tmp_path):

@@ -5,7 +5,6 @@ The task generators are tested in test_data.py."""
 import math
 import os
 import socket
-import sys
 
 import pytest
 import torch
@@ -15,6 +14,8 @@ from torch import nn
 import riemannian_ref as rr
 from riemannian_ref import data
 from riemannian_ref.training import lr_at, masked_cross_entropy
+
+from _helpers import train_script
 
 
 class TinyLM(nn.Module):
@@ -246,19 +247,9 @@ def test_ddp_two_ranks_end_identical(tmp_path):
 
 # ---- the command line -------------------------------------------------------
 
-def _train_script():
-    import importlib.util
-    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "train.py")
-    spec = importlib.util.spec_from_file_location("rr_train_script", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["rr_train_script"] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("mode", ["euclidean", "riemannian"])
 def test_train_script_result_and_resume(tmp_path, mode):
-    script = _train_script()
+    script = train_script()
     args = ["--task", "recall", "--mode", mode, "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
             "--vocab-size", "16", "--n-pairs", "3", "--seq-len", "12", "--steps", "6", "--eval-interval", "3",
             "--batch-size", "8", "--device", "cpu", "--no-progress", "--checkpoint", str(tmp_path / "c.pt")]
@@ -273,7 +264,7 @@ def test_train_script_result_and_resume(tmp_path, mode):
 
 
 def test_train_script_config_file_and_bad_keys(tmp_path):
-    script = _train_script()
+    script = train_script()
     good = tmp_path / "cfg.json"
     good.write_text('{"task": {"name": "modular", "p": 7}, "train": {"lr": 0.01, "steps": 3}}')
     cfg, _ = script.parse_args(["--config", str(good), "--steps", "5"])
