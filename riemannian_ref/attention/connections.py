@@ -394,10 +394,13 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     one frame: :math:`q_i \mapsto R_i^\top q_i`, :math:`k_j \mapsto R_j^\top k_j`,
     :math:`U \mapsto R^\top U` (so :math:`G_j \mapsto R_j^\top G_j R_j`),
     :math:`v_j \mapsto R_j^\top v_j`, calls the same operator, and rotates the
-    output back by :math:`R_i`: :math:`O(n d r)` extra. The content connections form the
-    transported keys and values per pair: time :math:`O(n^2 d (1 + r))`,
-    memory a few ``[..., n, n, d]`` tensors (batch 8, 4 heads, n = 256,
-    d = 16 in float32 is 128 MiB each), never a ``[n, n, d, d]`` tensor.
+    output back by :math:`R_i`: :math:`O(n d r)` extra. The content connections turn
+    the queries (and the values; the keys too for a query-side metric) pair by
+    pair, as complex products, and take the scores from one batched product of
+    :math:`P^\top q_i` with :math:`[k_j \mid U_{k,j}]`: time :math:`O(n^2 d (1 + r))`;
+    the backward keeps the angles and recomputes the rotations, so the memory
+    is about 1.5 to 3.5 ``[..., n, n, d]`` tensors (batch 8, 4 heads,
+    n = 256, d = 16 in float32 is 128 MiB each), never a ``[n, n, d, d]`` one.
     """
     if connection not in CONNECTIONS:
         raise ValueError(f"connection must be one of {CONNECTIONS}, got {connection!r}")
@@ -474,9 +477,65 @@ def _attend(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metr
     return riemannian_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)
 
 
+def _as_complex(x: Tensor) -> Tensor:
+    """The pairs (x_{2m}, x_{2m+1}) of x [..., d] as complex numbers [..., d/2] (a rotation is then one product)."""
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)).contiguous())
+
+
+def _as_real(z: Tensor) -> Tensor:
+    """Inverse of :func:`_as_complex`: [..., d/2] complex to [..., d] real (a view)."""
+    return torch.view_as_real(z).flatten(-2)
+
+
+class _PairwiseRotation(torch.autograd.Function):
+    r"""Every pair's rotations at once: :math:`(P_{j\to i}^\top q_i,\ P_{j\to i} k_j,\ P_{j\to i} v_j)`.
+
+    :math:`P_{j\to i}` turns pair :math:`m` by :math:`\phi_{ij,m}`; on the pairs as complex numbers it is
+    the product with :math:`e^{i\phi}`. The backward recomputes :math:`e^{i\phi}` from the angles, so
+    only the angles and the per-token inputs are kept (autograd through the products would keep
+    :math:`e^{\pm i\phi}` and their operands: about twice the memory).
+    """
+
+    @staticmethod
+    def forward(ctx, phi, q, k, v):  # phi (..., n_i, n_j, d/2); q, k, v (..., n, d) or None
+        cos, sin = torch.cos(phi), torch.sin(phi)
+        outs = [None if x is None else _as_real(_as_complex(x).unsqueeze(axis) * torch.complex(cos, sgn * sin))
+                for x, axis, sgn in ((q, -2, -1.0), (k, -3, 1.0), (v, -3, 1.0))]
+        ctx.save_for_backward(phi, q, k, v)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        phi, *xs = ctx.saved_tensors
+        need_phi = ctx.needs_input_grad[0]
+        cos, sin = torch.cos(phi), torch.sin(phi)
+        g_phi = torch.zeros_like(phi) if need_phi else None
+        g_x = [None, None, None]
+        for idx, (x, g, axis, sgn) in enumerate(zip(xs, grads, (-2, -3, -3), (-1.0, 1.0, 1.0))):
+            if x is None or g is None:
+                continue
+            u = _as_complex(g) * torch.complex(cos, -sgn * sin)  # the gradient turned back, pair by pair
+            if ctx.needs_input_grad[1 + idx]:
+                g_x[idx] = _as_real(u.sum(axis)).sum_to_size(x.shape)
+            if need_phi:  # d/dphi of the turned pair y = x e^{i sgn phi} is i sgn y
+                xc = _as_complex(x).unsqueeze(axis)
+                g_phi = g_phi + (-sgn) * (u.real * xc.imag - u.imag * xc.real)
+        if need_phi:
+            g_phi = g_phi.sum_to_size(phi.shape)
+        return (g_phi, *g_x)
+
+
 def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side, scores,
                        rates, p, transport_values, return_weights, rule):
-    """The content connections: every pair (i, j) transported by its own rotation, densely."""
+    r"""The content connections: every pair (i, j) transported by its own rotation, densely.
+
+    Every :math:`P_{j\to i}` is a rotation, so :math:`q_i^\top P k_j = (P^\top q_i)^\top k_j` and
+    :math:`P^\top(q_i - P k_j) = P^\top q_i - k_j`. One pairwise rotation of the queries therefore gives
+    the dot product and the key-side metric terms together, in one batched product with
+    :math:`[k_j \mid U_{k,j}]`; the Euclidean part is
+    :math:`\lambda(|q_i|^2 + |k_j|^2 - 2\, q_i^\top P k_j)`. Only a query-side metric needs the
+    transported keys :math:`P k_j` themselves.
+    """
     n, d = q.shape[-2], q.shape[-1]
     if rates is None:
         raise ValueError("a content connection needs rates: the per-token rates omega_j, shape [..., n, d/2]")
@@ -486,24 +545,34 @@ def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k
     broadcast_batch({"rates.shape[:-2]": rates.shape[:-2], "query.shape[:-2]": q.shape[:-2]})
     scale_f = (1.0 / math.sqrt(d)) if scale is None else float(scale)
     phi = transport_angles(rates, p, rule)  # angle of P_{j->i}              (..., n_i, n_j, d/2)
-    cos, sin = torch.cos(phi), torch.sin(phi)  # shared by keys, values and the key metric
-    kt = _rotate_cs(k.unsqueeze(-3), cos, sin)  # P_{j->i} k_j             (..., n_i, n_j, d)
+    # P_{j->i}^T q_i, P_{j->i} k_j (a query-side metric only), P_{j->i} v_j (transported values)  (..., n_i, n_j, d)
+    qt, kt, vt = _PairwiseRotation.apply(phi, q, k if (scores == "metric" and U_q is not None) else None,
+                                         v if transport_values else None)
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     if scores == "dot":
-        S = scale_f * (q.unsqueeze(-2) * kt).sum(-1)  # (..., n_i, n_j)
+        S = scale_f * torch.einsum("...ijd,...jd->...ij", qt, k)  # (..., n_i, n_j)
     else:
         lam_t = lam if isinstance(lam, Tensor) else torch.tensor(float(lam), dtype=q.dtype, device=q.device)
+        lam_s = lam_t.unsqueeze(-1).unsqueeze(-1) if lam_t.dim() > 0 else lam_t
         per_q = U_q is not None and U_q.dim() == q.dim() + 1
         per_k = U_k is not None and U_k.dim() == k.dim() + 1
-        diff = q.unsqueeze(-2) - kt  # q_i - P k_j                         (..., n_i, n_j, d)
-        lam_s = lam_t.unsqueeze(-1).unsqueeze(-1) if lam_t.dim() > 0 else lam_t
-        dist2 = lam_s * (diff * diff).sum(-1)  # (..., n_i, n_j)
         w = 0.5 if metric_side == "mean" else 1.0
-        if U_k is not None:
-            back = _rotate_cs(diff, cos, -sin)  # P^T (q_i - P k_j) = P^T q_i - k_j  (..., n_i, n_j, d)
-            a = torch.einsum("...ijd,...jdr->...ijr", back, _per_token(U_k, per_k, n))  # (..., n_i, n_j, r)
+        Uk = None if U_k is None else _per_token(U_k, per_k, n)
+        if Uk is not None:
+            batch = torch.broadcast_shapes(batch, Uk.shape[:-3])
+        kb = k.expand(*batch, n, d).unsqueeze(-1)  # (..., n_j, d, 1)
+        W = kb if Uk is None else torch.cat((kb, Uk.expand(*batch, *Uk.shape[-3:])), -1)  # [k_j | U_kj]
+        Y = torch.einsum("...ijd,...jdr->...ijr", qt, W)  # (P^T q_i)^T [k_j | U_kj]   (..., n_i, n_j, 1+r)
+        qq, kk = (q * q).sum(-1), (k * k).sum(-1)  # (..., n)
+        dist2 = lam_s * (qq.unsqueeze(-1) + kk.unsqueeze(-2) - 2.0 * Y[..., 0])  # lam |q_i - P k_j|^2
+        if Uk is not None:
+            c = torch.einsum("...jd,...jdr->...jr", k, Uk)  # U_kj^T k_j                 (..., n_j, r)
+            a = Y[..., 1:] - c.unsqueeze(-3)  # U_kj^T (P^T q_i - k_j)                    (..., n_i, n_j, r)
             dist2 = dist2 + w * (a * a).sum(-1)
         if U_q is not None:
-            b = torch.einsum("...ijd,...idr->...ijr", diff, _per_token(U_q, per_q, n))  # (..., n_i, n_j, r)
+            Uq = _per_token(U_q, per_q, n)
+            e = torch.einsum("...id,...idr->...ir", q, Uq)  # U_qi^T q_i          (..., n_i, r)
+            b = e.unsqueeze(-2) - torch.einsum("...ijd,...idr->...ijr", kt, Uq)  # U_qi^T (q_i - P k_j)
             dist2 = dist2 + w * (b * b).sum(-1)
         S = -0.5 * scale_f * dist2  # (..., n_i, n_j)
     M = additive_mask(attn_mask, is_causal, n, n, q)
@@ -511,7 +580,6 @@ def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k
     if dropout_p > 0.0:
         A = torch.nn.functional.dropout(A, p=dropout_p)
     if transport_values:
-        vt = _rotate_cs(v.unsqueeze(-3), cos, sin)  # P_{j->i} v_j         (..., n_i, n_j, d)
         out = torch.einsum("...ij,...ijd->...id", A, vt)  # mixed in fibre i (..., n_i, d)
     else:
         out = A @ v

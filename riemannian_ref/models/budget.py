@@ -190,7 +190,8 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
     if conn == "flat":
         out["connection"] = L * 3 * n * hd * (4 + r * sides)  # rotate q, k, v, output and U: O(n d r)
     if conn in ("content", "content_source"):
-        rotations = 2 + (1 if cfg.metric_side in ("key", "mean") else 0)  # keys, values, (P^T on key side)
+        # P^T q_i always, P v_j with transported values, P k_j for a query-side metric
+        rotations = 1 + (1 if cfg.transport_values else 0) + (1 if cfg.metric_side in ("query", "mean") else 0)
         out["connection"] = L * (2 * n * D * hd // 2 + n * n * hd + rotations * 3 * n * n * hd)
     if cfg.mlp:
         out["ffn"] = L * 2 * n * 2 * D * cfg.mlp_ratio * D
@@ -302,21 +303,23 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
         act["attention"] += 5 * n * hd + n * h  # q, k, v, the output, its reshaped copy; row statistics
         act["norms"] += 4 * n * D if cfg.layer_norm else 0  # each LayerNorm keeps its input and output
         if conn == "content":
-            # every pair transported densely (autograd): einsums for the metric's rank products and the
-            # mix of transported values; rotations, differences and squares elementwise
+            # every pair transported densely (autograd): one pairwise rotation of the queries, whose
+            # products with [k_j | U_kj] give the dot products and the key-side metric terms; P k_j for a
+            # query-side metric; the mix of transported values; rotations are complex products
             linear("connection", D, hd // 2)  # the rate network
             c = parts["connection"]
             mix = 2 * n2 * hd
-            a["matmul_fwd"] += mix
-            a["matmul_bwd"] += 2 * mix
-            a["matmul_fwd"] += 2 * n2 * hd * (rk + rq)
-            a["matmul_bwd"] += 4 * n2 * hd * (rk + rq)
-            a["elementwise_fwd"] += n2 * h * (5 + 2 * (rk + rq) + (3 * d if metric_scores else 2 * d))
-            a["elementwise_bwd"] += 2 * n2 * h * (5 + 2 * (rk + rq) + 3 * d)
-            rotations = 1 + (1 if cfg.transport_values else 0) + (1 if rk else 0)
+            a["matmul_fwd"] += mix + 2 * n2 * hd * (1 + rk + rq) + 2 * n * hd * (rk + rq)
+            a["matmul_bwd"] += 2 * (mix + 2 * n2 * hd * (1 + rk + rq) + 2 * n * hd * (rk + rq))
+            a["elementwise_fwd"] += n2 * h * (8 + 3 * (rk + rq))
+            a["elementwise_bwd"] += 2 * n2 * h * (8 + 3 * (rk + rq))
+            rotations = 1 + (1 if cfg.transport_values else 0) + (1 if rq else 0)
             c["elementwise_fwd"] += n2 * hd * (1.5 + 3 * rotations)  # angles, cos, sin; 3 per rotated coordinate
-            c["elementwise_bwd"] += 2 * n2 * hd * (1.5 + 3 * rotations)
-            stored = n2 * (hd * (2 + rotations + (1 if rq else 0)) + h * (rk + rq + 3))  # cos, sin, differences, rotated
+            c["elementwise_bwd"] += n2 * hd * (1 + 6 * rotations)  # cos, sin again; turned gradients, angle terms
+            tv = 1 if cfg.transport_values else 0
+            # the angles (hd / 2; the rotations are recomputed in the backward) and the copies of the rotated
+            # queries, values and (query-side metric) keys that the batched products keep
+            stored = n2 * (hd * (0.5 + 1 + tv + (1 if rq else 0)) + h * (rk + rq + 3))
             act["connection"] += stored
             pairwise += stored
         elif not metric_scores:  # SDPA (FlashAttention-2: the backward recomputes the scores)
