@@ -94,6 +94,8 @@ def main(argv=None):
     ap.add_argument("--target", type=float, default=None, help="report steps to this validation accuracy")
     ap.add_argument("--wallclock", action="store_true", help="add the matched wall-clock evaluation")
     ap.add_argument("--wallclock-steps", help="arm=steps,... (reproduce a file's matched wall-clock budgets)")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="processes training independent runs side by side (CPU; same numbers as 1)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", required=True)
     ap.add_argument("--no-progress", action="store_true")
@@ -147,7 +149,7 @@ def main(argv=None):
 
     res = rr.compare(arms, lambda seed: task_data(tc, seed), config, lrs=lrs, tune_seeds=tune_seeds,
                      eval_seeds=seeds, target=a.target, wallclock=a.wallclock, wallclock_steps=wc_steps,
-                     progress=progress)
+                     workers=a.workers, progress=progress)
     bar.close()
     record = {
         "experiment": f"compare_{a.task}", "task": dataclasses.asdict(tc),

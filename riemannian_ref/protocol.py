@@ -35,12 +35,14 @@ runs through :func:`compare`, so that each follows the same rules:
 Everything is trained by :func:`~riemannian_ref.training.train`, the
 package's one training loop. The result is a JSON-ready dict; with the same
 arguments a second call reproduces every number in it except the measured
-times.
+times, whatever ``workers`` is (every run seeds itself, so running the
+independent runs of a phase in parallel processes changes no number).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
 import os
 import statistics
 import time
@@ -228,7 +230,7 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
             reference: str | None = None, select: str = "val_loss", target: float | None = None,
             accuracy: bool = True, wallclock: bool = False, wallclock_steps: Mapping[str, int] | None = None,
             plateau_window: float = 0.25, plateau_tol: float = 0.02, plateau_atol: float = 0.01,
-            confidence: float = 0.95,
+            confidence: float = 0.95, workers: int = 1,
             progress: Callable[[str], None] | None = None) -> dict:
     r"""Compare training arms under the book's protocol (module docstring): tune, evaluate, pair, check.
 
@@ -274,8 +276,18 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
         The convergence criterion, :func:`plateau`.
     confidence : float, default 0.95
         Level of the intervals.
+    workers : int, default 1
+        Processes that train the independent runs of each phase (the tuning
+        grid, then the evaluation seeds) side by side, each with
+        ``max(1, torch.get_num_threads() // workers)`` threads. On a
+        machine whose cores one small model cannot keep busy this divides the
+        wall time; the numbers are the same as with one worker, the recorded
+        ``wall_s`` of each run are those of a run sharing the machine with
+        ``workers - 1`` others. Needs the ``fork`` start method (Linux) and a
+        CPU device; the matched wall-clock timing always runs alone.
     progress : callable ``(message) -> None``, optional
-        Called before every run (e.g. a progress bar's ``set_description``).
+        Called before every run (e.g. a progress bar's ``set_description``);
+        with several workers, as each run finishes.
 
     Returns
     -------
@@ -337,6 +349,13 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
             raise ValueError(f"wallclock_steps must give a step budget for every arm, missing {missing}")
     plateau([[[0, 1.0, None], [1, 1.0, None]]], window=plateau_window, tol=plateau_tol,
             atol=plateau_atol)  # validates the three
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an int >= 1, got {workers!r}")
+    if workers > 1 and torch.device(config.device).type != "cpu":
+        raise ValueError(f"workers > 1 runs in forked processes and needs config.device='cpu', "
+                         f"got {config.device!r} (use workers=1 on an accelerator)")
+    if workers > 1 and "fork" not in multiprocessing.get_all_start_methods():
+        raise ValueError("workers > 1 needs the 'fork' start method, which this platform lacks; use workers=1")
 
     t_start, load_start = time.perf_counter(), os.getloadavg()
     cache: dict[int, tuple[TaskData, TaskData]] = {}
@@ -347,8 +366,6 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
         return cache[seed]
 
     def run(name: str, seed: int, role: str, budget: str, lr: float, warmup: int, steps: int) -> dict:
-        if progress is not None:
-            progress(f"{role} {name} seed {seed} lr {lr:g} ({budget}, {steps} steps)")
         train_data, val_data = data_of(seed)
         arm = arms[name]
         torch.manual_seed(seed)
@@ -376,13 +393,33 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
         s = r["steps_to_target"]
         return (config.steps + config.eval_interval if s is None else s, loss)
 
+    def run_all(jobs: list[tuple]) -> list[dict]:
+        """Every job ``(name, seed, role, budget, lr, warmup, steps)`` run, in order (in parallel with workers)."""
+        def say(job):
+            if progress is not None:
+                name, seed, role, budget, lr, _, steps = job
+                progress(f"{role} {name} seed {seed} lr {lr:g} ({budget}, {steps} steps)")
+        for job in jobs:  # the data are made once, in this process, and inherited by the workers
+            data_of(job[1])
+        if workers == 1 or len(jobs) < 2:
+            out = []
+            for job in jobs:
+                say(job)
+                out.append(run(*job))
+            return out
+        return _run_forked(run, jobs, min(workers, len(jobs)), say)
+
     # 1. tuning: every arm on its grid, on the tuning seeds only
     runs, tuned = [], {}
+    grids = {name: [(float(lr), w) for w in warm_grid for lr in (arm.lrs if arm.lrs is not None else lrs)]
+             for name, arm in arms.items()}
+    jobs = [(name, s, "tune", "steps", lr, w, config.steps) for name in arms for lr, w in grids[name]
+            for s in tune_seeds]
+    done = iter(run_all(jobs))
     for name, arm in arms.items():
-        grid = [(lr, w) for w in warm_grid for lr in (arm.lrs if arm.lrs is not None else lrs)]
         scores = []
-        for lr, w in grid:
-            rs = [run(name, s, "tune", "steps", float(lr), w, config.steps) for s in tune_seeds]
+        for lr, w in grids[name]:
+            rs = [next(done) for _ in tune_seeds]
             runs += rs
             mean_score = tuple(statistics.fmean(x) for x in zip(*(score(r) for r in rs)))
             scores.append({"lr": float(lr), "warmup_steps": w, "score": list(mean_score)})
@@ -392,10 +429,8 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
                        "at_edge": len(lr_values) > 1 and best["lr"] in (lr_values[0], lr_values[-1])}
 
     # 2. evaluation at matched steps: fresh seeds, shared across arms
-    for seed in eval_seeds:
-        for name in arms:
-            runs.append(run(name, seed, "eval", "steps", tuned[name]["lr"], tuned[name]["warmup_steps"],
-                            config.steps))
+    runs += run_all([(name, seed, "eval", "steps", tuned[name]["lr"], tuned[name]["warmup_steps"], config.steps)
+                     for seed in eval_seeds for name in arms])
 
     # 3. evaluation at matched wall-clock
     sec_per_step = None
@@ -405,15 +440,17 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
             ref_time = config.steps * sec_per_step[reference]
             wallclock_steps = {a: max(2, round(ref_time / sec_per_step[a])) for a in arms}
         wallclock_steps = {a: int(wallclock_steps[a]) for a in arms}
+        timed = iter(run_all([(name, seed, "eval", "time", tuned[name]["lr"], tuned[name]["warmup_steps"],
+                               wallclock_steps[name]) for seed in eval_seeds for name in arms
+                              if wallclock_steps[name] != config.steps]))
         for seed in eval_seeds:
             for name in arms:
-                steps = wallclock_steps[name]
-                if steps == config.steps:  # the same run as at matched steps
+                if wallclock_steps[name] == config.steps:  # the same run as at matched steps
                     same = next(r for r in runs if r["role"] == "eval" and r["budget"] == "steps"
                                 and r["mode"] == name and r["seed"] == seed)
                     runs.append({**same, "budget": "time"})
-                    continue
-                runs.append(run(name, seed, "eval", "time", tuned[name]["lr"], tuned[name]["warmup_steps"], steps))
+                else:
+                    runs.append(next(timed))
 
     budgets = ["steps"] + (["time"] if wallclock else [])
     summary, paired = {}, {}
@@ -445,10 +482,42 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
         "tuned": tuned, "runs": runs, "summary": summary, "paired": paired,
         "plateau": {"arms": plat, "best_arm": best_arm, "best_arm_converged": plat[best_arm]["converged"]},
         "wallclock_steps": wallclock_steps, "seconds_per_step": sec_per_step,
-        "machine": {"threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "loadavg_start": load_start,
+        "machine": {"threads": torch.get_num_threads(), "workers": workers, "cpu_count": os.cpu_count(), "loadavg_start": load_start,
                     "loadavg_end": os.getloadavg(), "wall_s": time.perf_counter() - t_start,
                     "torch": torch.__version__, "device": config.device},
     }
+
+
+_FORKED_RUN: Callable | None = None  # the run function the forked workers inherit
+
+
+def _call_forked(job: tuple) -> dict:
+    return _FORKED_RUN(*job)
+
+
+def _init_worker(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+def _run_forked(run: Callable, jobs: list[tuple], workers: int, say: Callable) -> list[dict]:
+    """``[run(*job) for job in jobs]`` in ``workers`` forked processes, in order.
+
+    Forked, so the workers inherit ``run`` (a closure over the arms and the
+    data) without pickling it; only the jobs and the result dicts cross.
+    """
+    global _FORKED_RUN
+    threads = max(1, torch.get_num_threads() // workers)
+    _FORKED_RUN = run
+    try:
+        with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker,
+                                                      initargs=(threads,)) as pool:
+            out = []
+            for job, res in zip(jobs, pool.imap(_call_forked, jobs)):
+                say(job)
+                out.append(res)
+            return out
+    finally:
+        _FORKED_RUN = None
 
 
 def _mean_ci(values: list[float], confidence: float) -> dict:

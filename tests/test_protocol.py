@@ -74,6 +74,18 @@ def test_same_arguments_reproduce_every_number(result):
     assert again["paired"] == result["paired"] and again["tuned"] == result["tuned"]
 
 
+def test_parallel_workers_reproduce_every_number(result):
+    """Runs seed themselves: two forked workers give the one-worker numbers, in the same order."""
+    seen = []
+    par = rr.compare(ARMS, data, CFG, lrs=(3e-3, 3e-2), tune_seeds=(100,), eval_seeds=(0, 1, 2), target=0.3,
+                     workers=2, progress=seen.append)
+    strip = lambda res: [(r["mode"], r["seed"], r["role"], r["lr"], r["curve"]) for r in res["runs"]]  # noqa: E731
+    assert strip(par) == strip(result)
+    assert par["paired"] == result["paired"] and par["tuned"] == result["tuned"]
+    assert par["machine"]["workers"] == 2 and result["machine"]["workers"] == 1
+    assert len(seen) == len(par["runs"]) and seen[0].startswith("tune dot seed 100")
+
+
 def test_matched_wallclock_reuses_equal_budgets_and_honours_given_steps():
     res = rr.compare(ARMS, data, CFG, lrs=(1e-2,), eval_seeds=(0, 1), wallclock=True,
                      wallclock_steps={"dot": 12, "distance": 6})
@@ -153,10 +165,15 @@ def test_plateau_and_steps_to_target():
     (dict(warmups=(12,)), "warmups"),
     (dict(wallclock=True, wallclock_steps={"dot": 3}), "missing"),
     (dict(plateau_window=1.0), "window"),
+    (dict(workers=0), "workers must be an int >= 1"),
+    (dict(workers=2.0), "workers must be an int >= 1"),
+    (dict(workers=2, config_device="meta"), "needs config.device='cpu'"),
 ])
 def test_bad_arguments_are_refused_by_name(kw, match):
+    kw = dict(kw)
+    cfg = CFG if "config_device" not in kw else CFG.__class__(**{**CFG.__dict__, "device": kw.pop("config_device")})
     with pytest.raises(ValueError, match=match):
-        rr.compare(ARMS, data, CFG, **kw)
+        rr.compare(ARMS, data, cfg, **kw)
 
 
 def test_arms_must_be_arms():
