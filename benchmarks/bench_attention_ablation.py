@@ -12,6 +12,12 @@ per-round ratios is reported:
   values in [-12, 0] like real attention rows), one thread;
 * the scores of a tile built in a copy (``X[:, :, 0].clone()``, then the
   squares subtracted) against subtracted in place into the product's output;
+* a compiled tile: the operator's eager tile (one product, the squares
+  subtracted in place, ``exp2`` in place) against the same tile written as
+  one function and compiled by ``torch.compile`` (inductor's C++ backend,
+  mode ``max-autotune-no-cudagraphs``, which may choose its own C++ GEMM
+  template and fuse the elementwise passes into it); ``[4, 128, 512]``
+  scores, d = 64, r = 1 and 4, one thread (``--no-compile`` skips it);
 * the operator itself (B = 4, h = 4, n = 1024, d = 64, key side, r = 1 and 4,
   forward and forward+backward, one thread and all cores), with one switch of
   ``riemannian_ref.attention._blockwise`` flipped: the online softmax
@@ -70,6 +76,40 @@ SWITCHES = [  # (what, attribute, alternative value, the operator's value)
 ]
 
 
+def compiled_tile_rows(args, gen):
+    """The eager tile against ``torch.compile`` of the same tile (product and elementwise passes together)."""
+    import torch._inductor.config as inductor_config
+    inductor_config.max_autotune_gemm_backends = "CPP,ATEN"  # let it try its C++ GEMM template with fused epilogue
+    rows = []
+    cb, bq, bk, d = 4, 128, 512, 64
+    for r in (1, 4):
+        qa = 0.1 * torch.randn(cb, bq, d + 2, generator=gen)
+        Kt = 0.1 * torch.randn(cb, d + 2, (1 + r) * bk, generator=gen)
+        buf = torch.empty(cb, bq, (1 + r) * bk)
+
+        def eager(r=r, qa=qa, Kt=Kt, buf=buf):  # what the operator's _tile and its caller do
+            X = torch.bmm(qa, Kt, out=buf).view(cb, bq, 1 + r, bk)
+            S, *Xt = X.unbind(2)
+            for x in Xt:
+                S.addcmul_(x, x, value=-1.0)
+            return S.exp2_()
+
+        def tile(qa, Kt, r=r):
+            X = torch.bmm(qa, Kt).view(cb, bq, 1 + r, bk)
+            return torch.exp2(X[:, :, 0] - (X[:, :, 1:] * X[:, :, 1:]).sum(2))
+
+        compiled = torch.compile(tile, dynamic=False, mode="max-autotune-no-cudagraphs")
+        t0 = time.perf_counter()
+        compiled(qa, Kt)
+        compile_s = time.perf_counter() - t0
+        torch.testing.assert_close(compiled(qa, Kt), eager(), rtol=1e-4, atol=1e-6)
+        rows.append(dict(what=f"compiled tile, r = {r}: torch.compile (inductor C++, max-autotune) vs eager",
+                         slow="torch.compile(tile)", fast="eager tile (the operator's)", r=r, compile_s=compile_s,
+                         **compare(lambda: compiled(qa, Kt), eager, args.reps, args.min_time)))
+        print(rows[-1]["what"], f"{rows[-1]['speedup']:.2f}", flush=True)
+    return rows
+
+
 def operator_rows(args, gen):
     rows = []
     for threads in args.threads:
@@ -106,7 +146,8 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--min-time", type=float, default=0.1)
     p.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
-    p.add_argument("--no-operator", action="store_true", help="only the two tile micro-benchmarks")
+    p.add_argument("--no-operator", action="store_true", help="only the tile micro-benchmarks")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled tile (inductor needs a C++ compiler)")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_attention_ablation"))
     args = p.parse_args()
     t_start = time.time()
@@ -145,6 +186,8 @@ def main():
                          slow="clone + addcmul_", fast="addcmul_ into X[:, :, 0]",
                          **compare(copied, in_place, args.reps, args.min_time)))
 
+    if not args.no_compile:
+        rows += compiled_tile_rows(args, gen)
     if not args.no_operator:
         rows += operator_rows(args, gen)
     info["load_after"] = os.getloadavg()
