@@ -390,3 +390,18 @@ def test_content_gradients_match_the_dense_per_pair_reference(gen, connection, s
         grads.append([t.grad.clone() for t in leaves])
     for ours, dense in zip(*grads):
         torch.testing.assert_close(ours, dense)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_content_connection_in_half_precision(gen, dtype):
+    """Half-precision inputs (e.g. under autocast): the rotations run in float32, the result keeps the dtype."""
+    q, k, v, _, U_k, lam, theta = (t.float() for t in _inputs(gen))
+    ref = rr.connection_attention(q, k, v, U_k=U_k, lam=lam.float(), connection="content", rates=theta,
+                                  is_causal=True)
+    half = [t.to(dtype).requires_grad_(True) for t in (q, k, v, theta)]
+    out = rr.connection_attention(half[0], half[1], half[2], U_k=U_k.to(dtype), lam=lam.to(dtype),
+                                  connection="content", rates=half[3], is_causal=True)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
+    out.float().square().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == dtype and torch.isfinite(t.grad).all() for t in half)

@@ -546,8 +546,11 @@ def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k
     scale_f = (1.0 / math.sqrt(d)) if scale is None else float(scale)
     phi = transport_angles(rates, p, rule)  # angle of P_{j->i}              (..., n_i, n_j, d/2)
     # P_{j->i}^T q_i, P_{j->i} k_j (a query-side metric only), P_{j->i} v_j (transported values)  (..., n_i, n_j, d)
-    qt, kt, vt = _PairwiseRotation.apply(phi, q, k if (scores == "metric" and U_q is not None) else None,
-                                         v if transport_values else None)
+    # (complex arithmetic: in float32 at least, so half-precision inputs work too)
+    work = torch.promote_types(q.dtype, torch.float32)
+    rot = [None if x is None else x.to(work) for x in
+           (q, k if (scores == "metric" and U_q is not None) else None, v if transport_values else None)]
+    qt, kt, vt = (None if t is None else t.to(q.dtype) for t in _PairwiseRotation.apply(phi.to(work), *rot))
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     if scores == "dot":
         S = scale_f * torch.einsum("...ijd,...jd->...ij", qt, k)  # (..., n_i, n_j)
