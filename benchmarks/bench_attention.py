@@ -205,7 +205,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="B = 1, 4; n = 512, 1024; r = 1, 4; 2 rounds")
     p.add_argument("--ns", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--B", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--B", type=int, nargs="*", default=[1, 4, 8], help="batches of the key-side grid (none: only the other sides)")
     p.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--d", type=int, default=64)

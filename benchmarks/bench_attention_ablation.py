@@ -19,11 +19,12 @@ per-round ratios is reported:
   template and fuse the elementwise passes into it); ``[4, 128, 512]``
   scores, d = 64, r = 1 and 4, one thread (``--no-compile`` skips it);
 * the operator itself (B = 4, h = 4, n = 1024, d = 64, key side, r = 1 and 4,
-  forward and forward+backward, one thread and all cores), with one switch of
+  forward and forward+backward, one thread by default), with one switch of
   ``riemannian_ref.attention._blockwise`` flipped: the online softmax
   (running maximum, rescaling) against the fixed offset; the row sum as its
   own pass against ``P @ [V | 1]``; the whole batch in every tile against
-  chunks of about one batch element per thread.
+  chunks of about one batch element per thread; multi-threaded kernels
+  against threads over chunks of the batch.
 
 Writes ``results/bench_attention_ablation.{md,json}``.
 """
@@ -145,7 +146,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--min-time", type=float, default=0.1)
-    p.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
+    p.add_argument("--threads", type=int, nargs="+", default=[1],
+                   help="thread counts of the operator rows (default one: the ablation prices work, not scaling)")
     p.add_argument("--no-operator", action="store_true", help="only the tile micro-benchmarks")
     p.add_argument("--no-compile", action="store_true", help="skip the compiled tile (inductor needs a C++ compiler)")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_attention_ablation"))
