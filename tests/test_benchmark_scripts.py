@@ -44,8 +44,10 @@ def test_bench_attention_ablation_tiny(tmp_path):
     out = tmp_path / "ablation"
     run("bench_attention_ablation.py", "--reps", "1", "--min-time", "0.001", "--no-operator", "--out", str(out))
     res = json.loads(out.with_suffix(".json").read_text())
-    assert len(res["rows"]) == 3
+    assert len(res["rows"]) == 5  # exp2, the squares in place (r = 1, 4), the compiled tile (r = 1, 4)
     assert all(row["speedup"] > 0 and len(row["speedup_rounds"]) == 1 for row in res["rows"])
+    compiled = [row for row in res["rows"] if row["what"].startswith("compiled tile")]
+    assert [row["r"] for row in compiled] == [1, 4] and all(row["compile_s"] > 0 for row in compiled)
 
 
 def test_ablation_switches_exist_and_hold_the_operators_choice():
