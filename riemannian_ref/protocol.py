@@ -482,7 +482,8 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
         "tuned": tuned, "runs": runs, "summary": summary, "paired": paired,
         "plateau": {"arms": plat, "best_arm": best_arm, "best_arm_converged": plat[best_arm]["converged"]},
         "wallclock_steps": wallclock_steps, "seconds_per_step": sec_per_step,
-        "machine": {"threads": torch.get_num_threads(), "workers": workers, "cpu_count": os.cpu_count(), "loadavg_start": load_start,
+        "machine": {"threads": torch.get_num_threads(), "workers": workers, "cpu_count": os.cpu_count(),
+                    "loadavg_start": load_start,
                     "loadavg_end": os.getloadavg(), "wall_s": time.perf_counter() - t_start,
                     "torch": torch.__version__, "device": config.device},
     }
