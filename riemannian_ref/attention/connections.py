@@ -527,6 +527,21 @@ class _PairwiseRotation(torch.autograd.Function):
 
 def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side, scores,
                        rates, p, transport_values, return_weights, rule):
+    """:func:`_content_attention_f32` in float32 at least: half-precision inputs (autocast) are upcast, as the
+    operator does, since the expanded distance and the complex rotations need the precision; the result
+    comes back in the input dtype."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return _content_attention_f32(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side,
+                                      scores, rates, p, transport_values, return_weights, rule)
+    up = lambda t: t.float() if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
+    res = _content_attention_f32(up(q), up(k), up(v), up(attn_mask), dropout_p, is_causal, scale, up(U_q), up(U_k),
+                                 up(lam), metric_side, scores, up(rates), up(p), transport_values, return_weights,
+                                 rule)
+    return tuple(t.to(q.dtype) for t in res) if return_weights else res.to(q.dtype)
+
+
+def _content_attention_f32(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side, scores,
+                           rates, p, transport_values, return_weights, rule):
     r"""The content connections: every pair (i, j) transported by its own rotation, densely.
 
     Every :math:`P_{j\to i}` is a rotation, so :math:`q_i^\top P k_j = (P^\top q_i)^\top k_j` and
@@ -546,11 +561,8 @@ def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k
     scale_f = (1.0 / math.sqrt(d)) if scale is None else float(scale)
     phi = transport_angles(rates, p, rule)  # angle of P_{j->i}              (..., n_i, n_j, d/2)
     # P_{j->i}^T q_i, P_{j->i} k_j (a query-side metric only), P_{j->i} v_j (transported values)  (..., n_i, n_j, d)
-    # (complex arithmetic: in float32 at least, so half-precision inputs work too)
-    work = torch.promote_types(q.dtype, torch.float32)
-    rot = [None if x is None else x.to(work) for x in
-           (q, k if (scores == "metric" and U_q is not None) else None, v if transport_values else None)]
-    qt, kt, vt = (None if t is None else t.to(q.dtype) for t in _PairwiseRotation.apply(phi.to(work), *rot))
+    qt, kt, vt = _PairwiseRotation.apply(phi, q, k if (scores == "metric" and U_q is not None) else None,
+                                         v if transport_values else None)
     batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
     if scores == "dot":
         S = scale_f * torch.einsum("...ijd,...jd->...ij", qt, k)  # (..., n_i, n_j)
