@@ -22,16 +22,15 @@ def _boom():
     return {}
 
 
-def unsafe_load(path):
-    """Load ``path`` with the unpickling loader the package never uses.
+def payload_globals(path) -> list[str]:
+    """The globals a torch file would import when unpickled, read without unpickling it.
 
-    The positive control of the tests that crafted files are refused: it shows
-    that the file a test wrote really runs code when unpickled, so the safe
-    loader's refusal is not vacuous. Only ever called on a file the test itself
-    wrote, whose payload increments ``Boom.calls``.
+    The positive control of the tests that crafted files are refused: the file a
+    test wrote really carries ``_boom`` (so the safe loader's refusal is not
+    vacuous), shown by ``torch.serialization.get_unsafe_globals_in_checkpoint``,
+    which inspects the pickle's opcodes and runs nothing.
     """
-    with open(path, "rb") as f:
-        return torch.load(f, weights_only=False)
+    return torch.serialization.get_unsafe_globals_in_checkpoint(path)
 
 
 def train_script():
