@@ -205,7 +205,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="B = 1, 4; n = 512, 1024; r = 1, 4; 2 rounds")
     p.add_argument("--ns", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--B", type=int, nargs="*", default=[1, 4, 8], help="batches of the key-side grid (none: only the other sides)")
+    p.add_argument("--B", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--d", type=int, default=64)
@@ -220,9 +220,6 @@ def main():
     p.add_argument("--mem-ranks", type=int, nargs="+", help="ranks of the memory measurement (default: --ranks)")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_attention_cpu"),
                    help="write OUT.md and OUT.json ('' to skip)")
-    p.add_argument("--append", action="store_true",
-                   help="add the rows of this run to OUT.json (a row measured again replaces the old one; "
-                        "with --no-mem the old memory table is kept): a grid measured in several sittings")
     p.add_argument("--mem-child", nargs=4, metavar=("N", "R", "OP", "BWD"), help=argparse.SUPPRESS)
     p.add_argument("--side", default="key", help=argparse.SUPPRESS)  # the memory child's side
     args = p.parse_args()
@@ -238,11 +235,6 @@ def main():
     info.update(h=args.heads, d=args.d, reps=args.reps, dtype="float32", cuda=torch.cuda.is_available(),
                 command="python " + " ".join(["benchmarks/bench_attention.py"] + sys.argv[1:]))
     rows, mem = [], []
-    if args.append and args.out and Path(args.out).with_suffix(".json").exists():
-        prev = json.loads(Path(args.out).with_suffix(".json").read_text())
-        args.previous = prev
-        if args.no_mem:
-            mem = prev["memory"]
     print(f"# {info['cpu']}, torch {info['torch']}, load {info['load_before'][0]:.2f}")
     print(f"{'side':>5} {'B':>2} {'thr':>3} {'n':>5} {'r':>2} {'pass':>8} {'SDPA ms':>9} {'ours ms':>9} "
           f"{'ratio':>6} {'pred':>5} {'meas/pred':>9}")
@@ -276,25 +268,9 @@ def main():
     write(args, info, rows, mem, t_start)
 
 
-def _key(row):
-    return tuple(row[k] for k in ("side", "B", "threads", "n", "r", "passes"))
-
-
 def write(args, info, rows, mem, t_start):
     info["load_after"] = os.getloadavg()
     info["wall_s"] = time.time() - t_start
-    prev = getattr(args, "previous", None)
-    if prev is not None:  # merge: the earlier sittings' rows, then this one's (a re-measured row replaces)
-        new = {_key(x) for x in rows}
-        rows = [x for x in prev["time"] if _key(x) not in new] + rows
-        rows.sort(key=lambda x: (x["n"], x["side"] != "key", x["side"], x["B"], x["threads"], x["r"],
-                                 x["passes"] != "fwd"))
-        first = {k: v for k, v in prev["machine"].items() if k != "sittings"}
-        sittings = prev["machine"].get("sittings", [first]) + [
-            {k: info[k] for k in ("command", "load_before", "load_after", "wall_s")}]
-        info = {**info, "sittings": sittings, "load_before": sittings[0]["load_before"],
-                "load_after": sittings[-1]["load_after"], "wall_s": sum(x["wall_s"] for x in sittings),
-                "reps": info["reps"]}
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -312,17 +288,8 @@ def to_markdown(info, rows, mem):
         f"before: {', '.join(f'{x:.2f}' for x in info['load_before'])}; after: "
         f"{', '.join(f'{x:.2f}' for x in info['load_after'])} (the 1-minute load at each row is in the JSON). "
         f"Wall time {info['wall_s'] / 60:.0f} min. Ratios are medians over {info['reps']} alternating rounds "
-        f"measured in the same run; inputs from seed 0 (`make_inputs`)."
-        + ("" if info.get("sittings") else f" Command: `{info['command']}`."),
+        f"measured in the same run; inputs from seed 0 (`make_inputs`). Command: `{info['command']}`.",
         "",
-    ]
-    if info.get("sittings"):
-        lines += ["Measured in sittings (each row's SDPA and operator times come from the same sitting):", ""]
-        lines += [f"- `{x['command']}`: {x['wall_s'] / 60:.0f} min, load {x['load_before'][0]:.2f} -> "
-                  f"{x['load_after'][0]:.2f}" + (f" ({x['stopped']})" if x.get("stopped") else "")
-                  for x in info["sittings"]]
-        lines += [""]
-    lines += [
         "No CUDA GPU was available to this run: no GPU table." if not info.get("cuda") else
         "A CUDA GPU was present; this table is the CPU one.",
         "",
