@@ -112,7 +112,8 @@ def masked_cross_entropy(logits: Tensor, y: Tensor, mask: Tensor, reduction: str
     if logits.dim() != 3 or logits.shape[:2] != y.shape:
         raise ValueError(f"logits must have shape [B, n, V] with [B, n] = {tuple(y.shape)}, got {tuple(logits.shape)}")
     sel = logits[mask]  # (M, V)
-    return F.cross_entropy(sel.float(), y[mask], reduction=reduction)
+    # half precision is upcast to float32; float32 and float64 keep their precision
+    return F.cross_entropy(sel.to(torch.promote_types(sel.dtype, torch.float32)), y[mask], reduction=reduction)
 
 
 def _check_module(model) -> None:

@@ -126,7 +126,18 @@ def test_masked_loss_ignores_unscored_positions(gen):
     a = masked_cross_entropy(logits, y, mask)
     assert torch.equal(a, masked_cross_entropy(other, y, mask))
     manual = -torch.log_softmax(logits, -1)[mask].gather(1, y[mask][:, None]).mean()
-    assert torch.allclose(a, manual.float())
+    assert a.dtype == torch.float64 and torch.allclose(a, manual, rtol=1e-14, atol=0)  # float64 stays float64
+
+
+def test_masked_loss_upcasts_half_precision_only(gen):
+    logits = torch.randn(2, 5, 7, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 7, (2, 5), generator=gen)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    want = masked_cross_entropy(logits, y, mask)
+    for dt, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+        got = masked_cross_entropy(logits.to(dt), y, mask)
+        assert got.dtype == torch.float32, dt
+        assert abs(got.item() - want.item()) < tol * want.item(), dt
 
 
 def test_caller_built_optimizer_keeps_each_groups_peak_rate_under_the_schedule():
