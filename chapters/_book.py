@@ -12,8 +12,7 @@ Use it from a chapter (the notebooks run from ``chapters/``, so this module
 imports as ``_book`` under nbval, ``dev.py execute``, Binder and the Colab
 bootstrap cell)::
 
-    from _book import explorer
-    from myst_nb import glue
+    from _book import explorer, glue
 
     def draw(side, strength):
         fig, ax = plt.subplots(figsize=(6.4, 3.6))
@@ -43,7 +42,7 @@ import json
 from urllib.parse import quote
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["explorer", "Explorer"]
+__all__ = ["explorer", "Explorer", "glue", "portable"]
 
 # One delegated listener per page, installed by the first explorer's script;
 # each explorer finds its frames from its own DOM (no ids, no currentScript).
@@ -223,3 +222,35 @@ def explorer(draw: Callable[..., object], grid: Mapping[str, Sequence], *, alt: 
             default_png = _png(fig, dpi, colors)
         plt.close(fig)
     return Explorer(names, values, frames, start, default_png, alt, width_px)
+
+
+def portable(value, digits: int = 6):
+    """``value`` rounded to ``digits`` significant digits if it is a float (else unchanged).
+
+    A float computed by torch or numpy differs in its last digits between CPUs
+    (AVX-512, AVX2 and plain kernels sum in different orders), while the stored
+    output of a notebook is compared as text by nbval. Six significant digits
+    hold through round-off of about 1e-10 relative; a number that moves more
+    than that from one kernel set to another (a fitted exponent, an error
+    measured at round-off level, a training outcome) gets fewer digits, as
+    many as its interval supports. numpy scalars and 0-d arrays or tensors
+    become Python floats.
+    """
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        value = value.item()
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    return value
+
+
+def glue(name: str, value, display: bool = True, *, digits: int = 6) -> None:
+    """myst_nb's ``glue`` with floats stored at ``digits`` significant digits (:func:`portable`).
+
+    The prose formats the number itself (``{glue:text}`name:.3f```); the
+    stored value only has to carry the digits the prose shows, which are the
+    digits the computation determines on every CPU. Figures and other objects
+    are glued unchanged.
+    """
+    from myst_nb import glue as _glue
+
+    _glue(name, portable(value, digits), display=display)

@@ -71,3 +71,47 @@ def test_landing_answer_matches_the_result_file():
         "docs/landing/answer.md is stale: run `.venv/bin/python docs/make_landing.py`")
     for name in ("rank_collapse.svg", "rank_collapse.pdf", "explorer.html"):
         assert (ROOT / "docs" / "landing" / name).stat().st_size > 0
+
+
+def test_portable_rounds_floats_only():
+    import numpy as np
+    import torch
+
+    assert book.portable(0.33497680561673027) == 0.334977
+    assert book.portable(2.9999791283548087, 3) == 3.0
+    assert book.portable(np.float64(1164.5276621634796)) == 1164.53
+    assert book.portable(torch.tensor(2.919137477874756e-05)) == 2.91914e-05
+    assert book.portable(np.array(0.25)) == 0.25
+    for same in (7, True, "text", None):
+        assert book.portable(same) is same
+    vec = np.arange(3.0)
+    assert book.portable(vec) is vec  # not a scalar: unchanged
+
+
+def _glued_numbers(nb: dict):
+    for cell in nb["cells"]:
+        for out in cell.get("outputs", []):
+            text = out.get("data", {}).get("application/papermill.record/text/plain")
+            if text is not None:
+                yield out.get("metadata", {}).get("scrapbook", {}).get("name"), "".join(text)
+
+
+def test_stored_glued_floats_are_portable():
+    """Every float a chapter glues is stored at six significant digits or fewer.
+
+    nbval compares the stored text of a glued number with a fresh run's, so a
+    float glued with all its digits fails on a CPU whose kernels round
+    differently (chapters/_book.py's glue rounds; CONTRIBUTING.md, "Cells
+    that pass on every CPU").
+    """
+    import json
+
+    number = re.compile(r"-?\d+\.\d+(e[-+]?\d+)?")
+    long = []
+    for path in sorted((ROOT / "chapters").glob("*.ipynb")):
+        for name, text in _glued_numbers(json.loads(path.read_text())):
+            if number.fullmatch(text):
+                mantissa = text.split("e")[0].replace("-", "").replace(".", "").lstrip("0")
+                if len(mantissa) > 6:
+                    long.append(f"{path.name}: {name} = {text}")
+    assert not long, "glued with more digits than any CPU reproduces:\n" + "\n".join(long)
