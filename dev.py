@@ -5,7 +5,10 @@ Usage (from the repository root, with only Python >= 3.10 and pip):
 
     python3 dev.py book      # create .venv, install, build _build/html
     python3 dev.py test      # same set-up, then unit tests + every notebook
-                             # under strict nbval + the wheel, installed in a
+                             # under strict nbval (again under torch's other
+                             # CPU kernel sets: AVX2 and plain under AVX-512,
+                             # plain under AVX2; RR_TEST_KERNELS=none skips)
+                             # + the wheel, installed in a
                              # fresh environment + the book build with -W
                              # (on a machine with a CUDA GPU the notebooks
                              # run there under nbval-lax: asserts only, as
@@ -229,6 +232,12 @@ def test(extra: list[str]) -> None:
         cmd += ["-n", workers, "--dist", "loadfile"]
     cmd += extra
     _run(cmd, env={"CUDA_VISIBLE_DEVICES": ""} if os.environ.get("RR_TEST_DEVICE", "").lower() == "cpu" else None)
+    if device == "cpu":
+        for kernels in _other_kernel_sets():
+            # The stored outputs must not depend on the CPU that recorded them: the notebooks
+            # (or the selection given) again, with torch's other kernels (another reader's CPU).
+            print(f"again with ATEN_CPU_CAPABILITY={kernels}", flush=True)
+            _run(cmd[:len(cmd) - len(extra)] + (extra or ["chapters"]), env={"ATEN_CPU_CAPABILITY": kernels})
     check_wheel()
     # A clean build, so that stale pages cannot hide a warning.
     shutil.rmtree(ROOT / "_build" / "html", ignore_errors=True)
@@ -238,6 +247,36 @@ def test(extra: list[str]) -> None:
     if browser.exists():
         # Reads the pages just built: headless Chromium, network off.
         _run([PY, "-m", "pytest", "-p", "no:cacheprovider", "tests/browser"])
+
+
+def _cpu_capability(env: dict | None = None) -> str:
+    """The kernel set torch picks (``torch.backends.cpu.get_cpu_capability()``), lower case."""
+    res = subprocess.run([str(PY), "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                         capture_output=True, text=True, cwd=ROOT, check=True,
+                         env={**os.environ, **RUN_ENV, **(env or {})})
+    return res.stdout.strip().splitlines()[-1].lower()
+
+
+def _other_kernel_sets() -> list[str]:
+    """The CPU kernel sets the notebooks run under a second (and third) time.
+
+    Under AVX-512 torch can also run its AVX2 and its plain (``default``)
+    kernels, under AVX2 the plain ones (``ATEN_CPU_CAPABILITY``); other CPUs
+    get no extra pass. ``RR_TEST_KERNELS`` overrides the list (comma-separated,
+    e.g. ``avx2``; ``none`` for no extra pass).
+    """
+    forced = os.environ.get("RR_TEST_KERNELS")
+    if forced is not None:
+        sets = [k.strip().lower() for k in forced.split(",") if k.strip()]
+        return [] if sets in ([], ["none"]) else sets
+    native = _cpu_capability()
+    others = {"avx512": ["avx2", "default"], "avx2": ["default"]}.get(native, [])
+    for kernels in others:  # torch ignores a set it cannot run (with a warning): check it took
+        got = _cpu_capability({"ATEN_CPU_CAPABILITY": kernels})
+        if got != kernels:
+            raise SystemExit(f"ATEN_CPU_CAPABILITY={kernels} gave kernel set {got!r}, expected {kernels!r}")
+    print(f"CPU kernel set {native}; notebooks also run with: {', '.join(others) or 'no other'}", flush=True)
+    return others
 
 
 def check_wheel() -> None:
