@@ -497,3 +497,36 @@ def test_the_cache_keeps_the_frames_of_its_keys(gen):
         MODELS["llama"]().to(F64).eval()(ids[:, :4], past_key_values=filled)  # filled by a model without attach()
         with pytest.raises(ValueError, match=r"holds 4 tokens of layer 0 but the rotary frames of only 0"):
             model(ids[:, 4:5], past_key_values=filled)
+
+
+@pytest.mark.parametrize("fill", ["finfo_min", "-inf"])
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_4d_float_mask_with_fully_masked_rows(name, fill, gen):
+    """A 4-D additive mask (causal and padding, the padded queries' rows fully masked): finite logits
+    everywhere, the same as the boolean 4-D mask (fully masked rows give 0 in both), and on the real
+    tokens the same as the model's 2-D padding mask; with zero factors, SDPA's (key-norm oracle)."""
+    n = 10
+    ids, mask = _batch(gen, n=n)
+    real = mask.bool()
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool)) & real[:, None, :] & real[:, :, None]  # (B, n, n)
+    assert (~allowed).all(-1).any()  # some rows are fully masked
+    value = torch.finfo(F64).min if fill == "finfo_min" else float("-inf")
+    float_mask = torch.zeros(allowed.shape, dtype=F64).masked_fill(~allowed, value).unsqueeze(1)
+    for strength in (1.0, 0.0):
+        model = _switched(name, strength=strength).eval()
+        out = _logits(model, rr_hf.NAME, ids, attention_mask=float_mask)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, _logits(model, rr_hf.NAME, ids, attention_mask=allowed.unsqueeze(1)),
+                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out[real], _logits(model, rr_hf.NAME, ids, attention_mask=mask)[real],
+                                   rtol=1e-10, atol=1e-12)
+        if strength == 0.0:
+            sdpa = _logits(model, "sdpa_key_norm", ids, attention_mask=float_mask)
+            torch.testing.assert_close(out[real], sdpa[real], rtol=1e-10, atol=1e-12)
+    # a float mask of another kind is refused with its dtype named
+    layer = rr_hf._attention_layers(model)[0][1]
+    q = torch.randn(1, 4, 3, 8, dtype=F64, generator=gen)
+    k = torch.randn(1, layer.riemannian_metric.n_heads, 3, 8, dtype=F64, generator=gen)
+    with pytest.raises(ValueError, match=r"attention_mask must be boolean or floating point, got dtype torch.int64"):
+        rr_hf.attention_forward(layer, q, k, k, torch.zeros(1, 1, 3, 3, dtype=torch.long))
+

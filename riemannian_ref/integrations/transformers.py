@@ -94,6 +94,11 @@ share their positions, so the kept frames stay right. A cache whose batch
 changed between calls, or that was filled before :func:`attach`, is refused
 with a ``ValueError``.
 
+Masks. A float (additive) mask is accepted as SDPA takes it; entries at or
+below half of ``torch.finfo(mask.dtype).min`` (``transformers``' convention
+for "masked", ``-inf`` included) are masked exactly, so a fully masked row (a
+padded query in a 4-D mask) gives 0, as a boolean mask does, and never NaN.
+
 Limits. ``output_attentions=True`` returns ``None`` weights (as ``"sdpa"``
 does); scores that other backends modify (``softcap``, attention sinks
 ``s_aux``, a ``position_bias``) and the paged cache of continuous batching
@@ -492,7 +497,8 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         As ``transformers`` builds it for SDPA: boolean ``[B, 1, n_q, n_k]``
         (``True`` = may attend; padding, causal and sliding-window patterns
         included), or ``None`` with the causal flag. A float (additive) mask
-        is also accepted.
+        is also accepted; its entries at or below ``finfo(mask.dtype).min / 2``
+        are masked exactly (``-inf``), so a fully masked row gives 0.
     dropout : float
         Attention dropout (the layer passes 0 in evaluation).
     scaling : float, optional
@@ -534,7 +540,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     # prefill, the keys past n_q are never attended.)
     is_causal = bool(is_causal) and attention_mask is None and query.shape[-2] > 1
     if attention_mask is not None and attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask.to(query.dtype)
+        attention_mask = _additive_mask(attention_mask, query.dtype)
     lam, U = _metric(metric, query, key, kwargs.get(FRAMES_KWARG))  # (h_side,), (B, h_side, n, d, r)
     groups = query.shape[1] // key.shape[1]
     if metric.side == "key" and groups > 1:
@@ -543,6 +549,18 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     out = riemannian_attention(query, key, value, attention_mask, dropout, is_causal, scaling, lam=lam,
                                metric_side=metric.side, enable_gqa=groups > 1, **factors)  # (B, h, n_q, d)
     return out.transpose(1, 2).contiguous(), None  # (B, n_q, h, d), as transformers' backends return
+
+
+def _additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """A float mask in ``dtype``, its "masked" entries (at most half of ``finfo(mask.dtype).min``) set to ``-inf``.
+
+    So a fully masked row (transformers writes ``finfo.min``) gives 0, as a
+    boolean mask, instead of overflowing to NaN.
+    """
+    if not mask.is_floating_point():
+        raise ValueError(f"attention_mask must be boolean or floating point, got dtype {mask.dtype}")
+    masked = mask <= torch.finfo(mask.dtype).min / 2
+    return mask.to(dtype).masked_fill(masked, float("-inf"))
 
 
 def _metric(metric: HeadMetric, query: Tensor, key: Tensor, frames) -> tuple[Tensor, Tensor]:
