@@ -530,3 +530,57 @@ def test_a_4d_float_mask_with_fully_masked_rows(name, fill, gen):
     with pytest.raises(ValueError, match=r"attention_mask must be boolean or floating point, got dtype torch.int64"):
         rr_hf.attention_forward(layer, q, k, k, torch.zeros(1, 1, 3, 3, dtype=torch.long))
 
+
+# ------------------------------------------------------------------ mixed precision and dropout
+
+def test_bf16_autocast_training_with_dropout_on_gpt2(monkeypatch):
+    """GPT-2 (attn_pdrop = 0.1) in float32, trained under CPU autocast to bfloat16: every attention call
+    has dropout and runs under autocast, the loss stays finite and falls."""
+    torch.manual_seed(0)
+    model = _switched("gpt2", dtype=torch.float32).train()
+    assert model.config.attn_pdrop == 0.1
+    calls = []
+    inner = rr_hf.riemannian_attention
+
+    def spy(query, key, value, mask, dropout_p, *args, **kwargs):
+        calls.append((query.dtype, dropout_p, torch.is_autocast_enabled("cpu")))
+        return inner(query, key, value, mask, dropout_p, *args, **kwargs)
+
+    monkeypatch.setattr(rr_hf, "riemannian_attention", spy)
+    pattern = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    ids = torch.stack([pattern.repeat(3)[:16].roll(i) for i in range(8)])  # (8, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert set(calls) == {(torch.bfloat16, 0.1, True)}
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.8 * losses[0], losses
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p).all(), n
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_dropout_is_computed_in_float32(dtype, gen):
+    """With dropout (here 1e-7, so that nothing is dropped) half-precision inputs are computed in float32
+    as without it: the error against the float64 reference of the same rounded inputs is that of the
+    dropout-free call (the half-precision dense path gave 35 (float16) to 60 (bfloat16) times more)."""
+    model = _switched("gpt2", strength=1.0)
+    layer = model.transformer.h[0].attn.to(dtype)
+    B, h, n, d = 2, 4, 48, 8
+    q, k = (3 * torch.randn(2, B, h, n, d, generator=gen)).to(dtype).unbind(0)
+    v = torch.randn(B, h, n, d, generator=gen).to(dtype)
+    lam, U = layer.riemannian_metric(k)
+    ref = rr.riemannian_attention_reference(q.double(), k.double(), v.double(), None, 0.0, True, d ** -0.5,
+                                            U_k=U.double(), lam=lam.double()).transpose(1, 2)
+    errors = []
+    for p in (0.0, 1e-7):
+        torch.manual_seed(5)
+        out = rr_hf.attention_forward(layer, q, k, v, None, dropout=p)[0]
+        assert out.dtype == dtype
+        errors.append((out.double() - ref).abs().max().item())
+    assert errors[1] <= 1.5 * errors[0] + 1e-3 and errors[1] < 0.05, errors

@@ -94,10 +94,12 @@ share their positions, so the kept frames stay right. A cache whose batch
 changed between calls, or that was filled before :func:`attach`, is refused
 with a ``ValueError``.
 
-Masks. A float (additive) mask is accepted as SDPA takes it; entries at or
-below half of ``torch.finfo(mask.dtype).min`` (``transformers``' convention
-for "masked", ``-inf`` included) are masked exactly, so a fully masked row (a
-padded query in a 4-D mask) gives 0, as a boolean mask does, and never NaN.
+Masks and precision. A float (additive) mask is accepted as SDPA takes it;
+entries at or below half of ``torch.finfo(mask.dtype).min`` (``transformers``'
+convention for "masked", ``-inf`` included) are masked exactly, so a fully
+masked row (a padded query in a 4-D mask) gives 0, as a boolean mask does,
+and never NaN. With attention dropout, half-precision inputs (float16,
+bfloat16) are computed in float32 and the result is returned in their dtype.
 
 Limits. ``output_attentions=True`` returns ``None`` weights (as ``"sdpa"``
 does); scores that other backends modify (``softcap``, attention sinks
@@ -142,6 +144,7 @@ UNSUPPORTED = ("softcap", "s_aux", "position_bias", "cache")
 FRAMES_KWARG = "riemannian_frames"
 # The attribute of a transformers Cache where the hooks keep, per layer, the frames of the cached tokens.
 _CACHE_FRAMES_ATTR = "_riemannian_rotary_frames"
+_HALF = (torch.float16, torch.bfloat16)
 
 
 class RotaryFrames(NamedTuple):
@@ -500,7 +503,9 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         is also accepted; its entries at or below ``finfo(mask.dtype).min / 2``
         are masked exactly (``-inf``), so a fully masked row gives 0.
     dropout : float
-        Attention dropout (the layer passes 0 in evaluation).
+        Attention dropout (the layer passes 0 in evaluation). With dropout,
+        float16/bfloat16 inputs are computed in float32 (outside autocast,
+        returned in their dtype).
     scaling : float, optional
         :math:`1/\tau`, default :math:`1/\sqrt d`.
     is_causal : bool, optional
@@ -545,9 +550,19 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
     groups = query.shape[1] // key.shape[1]
     if metric.side == "key" and groups > 1:
         lam = lam.repeat_interleave(groups)  # one lambda per query head, as enable_gqa repeats U_k
+    dtype = query.dtype
+    if dropout > 0.0 and dtype in _HALF and not torch.is_autocast_enabled(query.device.type):
+        # half precision with dropout: computed in float32, as the operator computes it without dropout (the
+        # scores cancel terms of size |q|^2, which half precision leaves without a correct digit)
+        query, key, value, U = (t.float() for t in (query, key, value, U))
+        lam = lam.float()
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask.float()
     factors = {"U_k": U} if metric.side == "key" else {"U_q": U}
     out = riemannian_attention(query, key, value, attention_mask, dropout, is_causal, scaling, lam=lam,
                                metric_side=metric.side, enable_gqa=groups > 1, **factors)  # (B, h, n_q, d)
+    if out.dtype != dtype and not torch.is_autocast_enabled(query.device.type):
+        out = out.to(dtype)
     return out.transpose(1, 2).contiguous(), None  # (B, n_q, h, d), as transformers' backends return
 
 
