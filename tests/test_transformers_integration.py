@@ -360,6 +360,25 @@ def test_bad_input_is_refused_with_a_clear_error(gen):
         rr_hf.attention_forward(layer, q, k, k, None, cache=object())
     with pytest.raises(ValueError, match=r"the key states must have shape \[B, 2, n, 8\], got \[1, 2, 3, 5\]"):
         layer.riemannian_metric(torch.randn(1, 2, 3, 5))
+    # rotary frames: of the wrong type or size, or a rotation the backend does not carry
+    with pytest.raises(ValueError, match=r"riemannian_frames must be a RotaryFrames .* got str"):
+        rr_hf.attention_forward(layer, q, k, k, None, riemannian_frames="frames")
+    c, s = torch.ones(1, 3, 8), torch.zeros(1, 3, 8)
+    with pytest.raises(ValueError, match=r"without a KV cache the keys must be the call's 3 tokens, got 5 keys"):
+        rr_hf.attention_forward(layer, q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None,
+                                riemannian_frames=rr_hf.RotaryFrames(c, s, c, s, False))
+    with pytest.raises(ValueError, match=r"the rotary frames of the keys have shape \[1, 3, 6\], expected "
+                                         r"\[1, 3, 8\] \(or batch 1\) for key states \[1, 2, 3, 8\]"):
+        rr_hf.attention_forward(layer, q, k, k, None, riemannian_frames=rr_hf.RotaryFrames(
+            c[..., :6], s[..., :6], c[..., :6], s[..., :6], False))
+    x = torch.randn(1, 3, 32)
+    with pytest.raises(ValueError, match=r"position_embeddings \(cos, sin\) of shape \[B, n, head_dim=8\] .* got "
+                                         r"cos \[1, 3, 4\] .* partial rotary embeddings are not supported"):
+        layer(x, position_embeddings=(c[..., :4], s[..., :4]))
+    angles = torch.rand(1, 3, 4)
+    interleaved = (angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1))
+    with pytest.raises(ValueError, match=r"in the rotate_half layout .* LlamaAttention got another layout"):
+        layer(x, position_embeddings=interleaved)
 
 
 # ------------------------------------------------------------------ rotary models: relative positions only

@@ -590,7 +590,7 @@ def _metric(metric: HeadMetric, query: Tensor, key: Tensor, frames) -> tuple[Ten
     cos, sin = frames.for_keys(n) if metric.side == "key" else (frames.query_cos, frames.query_sin)
     if cos.shape[-2:] != (n, states.shape[-1]) or cos.shape[0] not in (1, states.shape[0]):
         raise ValueError(f"the rotary frames of the {metric.side}s have shape {shape_str(cos)}, expected "
-                         f"[{states.shape[0]} or 1, {n}, {states.shape[-1]}] for {metric.side} states "
+                         f"[{states.shape[0]}, {n}, {states.shape[-1]}] (or batch 1) for {metric.side} states "
                          f"{shape_str(states)}")
     lam, U0 = metric(_rotate(states, cos, sin, inverse=True))  # the factors of the unrotated states
     return lam, _rotate(U0, cos, sin, dim=-2)  # rotated with their states: U_j = R_j U(R_j^T k_j)
