@@ -91,8 +91,9 @@ with a KV cache the cached keys give the same metric as in a full forward, and
 search) gives the same tokens (``tests/test_transformers_integration.py``).
 Beam search reorders cache rows only among the beams of one prompt, which
 share their positions, so the kept frames stay right. A cache whose batch
-changed between calls, or that was filled before :func:`attach`, is refused
-with a ``ValueError``.
+changed between calls while its rows had different positions (which rows were
+kept is unknown), or that was filled before :func:`attach`, is refused with a
+``ValueError``.
 
 Masks and precision. A float (additive) mask is accepted as SDPA takes it;
 entries at or below half of ``torch.finfo(mask.dtype).min`` (``transformers``'
