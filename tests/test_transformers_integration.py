@@ -1,10 +1,13 @@
 """The transformers backend (riemannian_ref.integrations.transformers) on small models built from configs.
 
 No weights are downloaded: Llama (grouped-query attention), Qwen2 (grouped-query attention and a
-sliding-window layer) and GPT-2 configs with 2 layers and tiny widths. The oracle for the switched
-model is transformers' own SDPA backend with distance attention's dot-product form: with G = lam I,
--(s lam / 2)|q - k|^2 = s lam q.k - (s lam / 2)|k|^2 + (constant per row), so SDPA on queries
-lam q with the key-norm bias -(s lam / 2)|k_j|^2 must give the same model, masks and all.
+sliding-window layer), Mistral (a sliding window in every layer) and GPT-2 configs with 2 layers and
+tiny widths. The oracle for the switched model is transformers' own SDPA backend with distance
+attention's dot-product form: with G = lam I, -(s lam / 2)|q - k|^2 = s lam q.k - (s lam / 2)|k|^2 +
+(constant per row), so SDPA on queries lam q with the key-norm bias -(s lam / 2)|k_j|^2 must give the
+same model, masks and all. With factors, a layer is checked against the dense reference, and the
+rotary models against what SDPA guarantees: relative positions (a shift of every position, left
+padding) change nothing.
 """
 import subprocess
 import sys
@@ -14,8 +17,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import (AttentionInterface, GPT2Config, GPT2LMHeadModel, LlamaConfig,  # noqa: E402
-                          LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AttentionInterface, DynamicCache, GPT2Config, GPT2LMHeadModel,  # noqa: E402
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
 
@@ -40,11 +44,21 @@ def _qwen2(**kw):
                                         use_sliding_window=True, sliding_window=4, max_window_layers=1, **kw))
 
 
+def _mistral(**kw):
+    # a sliding window of 4 tokens in every layer
+    return MistralForCausalLM(MistralConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=64, sliding_window=4, **kw))
+
+
 def _gpt2(**kw):
-    return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4, **kw))
+    # attn_pdrop = 0.1 (GPT-2's default): attention dropout in training
+    return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                      bos_token_id=0, eos_token_id=0, **kw))
 
 
-MODELS = {"llama": _llama, "qwen2": _qwen2, "gpt2": _gpt2}
+MODELS = {"llama": _llama, "qwen2": _qwen2, "mistral": _mistral, "gpt2": _gpt2}
+ROTARY = ["llama", "mistral", "qwen2"]
 
 
 def _switched(name, seed=0, dtype=F64, **attach_kw):
@@ -229,7 +243,7 @@ def test_loss_decreases_on_a_tiny_task():
     assert metric.proj.weight.norm() > 5 * 0.01  # the factors moved off their small start
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2"])
 def test_save_pretrained_round_trip_keeps_the_metric(name, tmp_path, gen):
     model = _switched(name, rank=3, side="key", lam_init=2.0, strength=0.5).eval()
     with torch.no_grad():  # a trained-looking lambda: not the init value
@@ -246,6 +260,10 @@ def test_save_pretrained_round_trip_keeps_the_metric(name, tmp_path, gen):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
     ids, mask = _batch(gen)
     torch.testing.assert_close(model(ids, attention_mask=mask).logits, loaded(ids, attention_mask=mask).logits,
+                               rtol=0, atol=0)
+    # shifted positions: the loaded rotary layers carry the metric with the rotary frame as the original's do
+    pos = torch.arange(ids.shape[1]).unsqueeze(0) + 5
+    torch.testing.assert_close(model(ids, position_ids=pos).logits, loaded(ids, position_ids=pos).logits,
                                rtol=0, atol=0)
     # a checkpoint saved without attach is refused with a message that says what to do
     plain = MODELS[name]()
@@ -270,6 +288,9 @@ def test_generation_with_a_kv_cache_gives_the_full_forward_tokens(name, gen):
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
     assert cached.shape == (1, 15)
     assert torch.equal(cached, uncached) and torch.equal(static, uncached) and torch.equal(cached, ids)
+    # beam search (the cache's rows are reordered between steps), with and without a cache
+    beams = dict(kw, num_beams=3, max_new_tokens=6)
+    assert torch.equal(model.generate(prompt, **beams), model.generate(prompt, use_cache=False, **beams))
     # and the cached logits agree with the full forward's to float64 precision
     out = model(prompt, use_cache=True)
     step = model(cached[:, 5:6], past_key_values=out.past_key_values).logits[:, -1]
@@ -339,3 +360,246 @@ def test_bad_input_is_refused_with_a_clear_error(gen):
         rr_hf.attention_forward(layer, q, k, k, None, cache=object())
     with pytest.raises(ValueError, match=r"the key states must have shape \[B, 2, n, 8\], got \[1, 2, 3, 5\]"):
         layer.riemannian_metric(torch.randn(1, 2, 3, 5))
+    # rotary frames: of the wrong type or size, or a rotation the backend does not carry
+    with pytest.raises(ValueError, match=r"riemannian_frames must be a RotaryFrames .* got str"):
+        rr_hf.attention_forward(layer, q, k, k, None, riemannian_frames="frames")
+    c, s = torch.ones(1, 3, 8), torch.zeros(1, 3, 8)
+    with pytest.raises(ValueError, match=r"without a KV cache the keys must be the call's 3 tokens, got 5 keys"):
+        rr_hf.attention_forward(layer, q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None,
+                                riemannian_frames=rr_hf.RotaryFrames(c, s, c, s, False))
+    with pytest.raises(ValueError, match=r"the rotary frames of the keys have shape \[1, 3, 6\], expected "
+                                         r"\[1, 3, 8\] \(or batch 1\) for key states \[1, 2, 3, 8\]"):
+        rr_hf.attention_forward(layer, q, k, k, None, riemannian_frames=rr_hf.RotaryFrames(
+            c[..., :6], s[..., :6], c[..., :6], s[..., :6], False))
+    x = torch.randn(1, 3, 32)
+    with pytest.raises(ValueError, match=r"position_embeddings \(cos, sin\) of shape \[B, n, head_dim=8\] .* got "
+                                         r"cos \[1, 3, 4\] .* partial rotary embeddings are not supported"):
+        layer(x, position_embeddings=(c[..., :4], s[..., :4]))
+    angles = torch.rand(1, 3, 4)
+    interleaved = (angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1))
+    with pytest.raises(ValueError, match=r"in the rotate_half layout .* LlamaAttention got another layout"):
+        layer(x, position_embeddings=interleaved)
+
+
+# ------------------------------------------------------------------ rotary models: relative positions only
+
+def _rotation_matrices(cos, sin):
+    """Dense rotations [.., n, d, d] of the rotate_half layout: pair (l, l + d/2) turned by the angle of (cos, sin)."""
+    d = cos.shape[-1]
+    m = d // 2
+    R = torch.zeros(*cos.shape, d, dtype=cos.dtype)
+    idx = torch.arange(m)
+    c, s = cos[..., :m], sin[..., :m]
+    R[..., idx, idx], R[..., idx + m, idx + m] = c, c
+    R[..., idx, idx + m], R[..., idx + m, idx] = -s, s
+    return R
+
+
+@pytest.mark.parametrize("side", ["key", "query"])
+def test_rotary_frames_against_the_dense_reference(side, gen):
+    """attention_forward with rotary frames: the metric network reads R^T x and its factors are R U(R^T x),
+    with R built here as dense matrices from the angles (not with rotate_half), and the sequence of
+    positions arbitrary (GQA, a padding mask, different positions per batch row)."""
+    model = _switched("llama", side=side, strength=1.0)
+    layer = model.model.layers[0].self_attn
+    B, h, h_kv, n, d = 2, 4, 2, 6, 8
+    angles = torch.tensor([[0, 1, 2, 3, 4, 5], [7, 3, 9, 10, 11, 30]], dtype=F64)[..., None] \
+        * torch.rand(d // 2, generator=gen, dtype=F64)  # (B, n, d/2)
+    cos, sin = angles.cos().repeat(1, 1, 2), angles.sin().repeat(1, 1, 2)  # rotate_half layout (B, n, d)
+    R = _rotation_matrices(cos, sin).unsqueeze(1)  # (B, 1, n, d, d)
+    q0 = torch.randn(B, h, n, d, generator=gen, dtype=F64)
+    k0, v = torch.randn(2, B, h_kv, n, d, generator=gen, dtype=F64).unbind(0)
+    q, k = (R @ q0.unsqueeze(-1)).squeeze(-1), (R @ k0.unsqueeze(-1)).squeeze(-1)
+    mask = torch.rand(B, 1, n, n, generator=gen) > 0.3
+    mask[..., 0] = True
+    frames = rr_hf.RotaryFrames(cos, sin, cos, sin, False)
+    out, _ = rr_hf.attention_forward(layer, q, k, v, mask, scaling=0.3, riemannian_frames=frames)
+    lam, U0 = layer.riemannian_metric(k0 if side == "key" else q0)  # the unrotated states' factors
+    U = R @ U0  # their columns rotated with the states
+    if side == "key":
+        U, lam = U.repeat_interleave(2, 1), lam.repeat_interleave(2)
+    ref = rr.riemannian_attention_reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), mask, 0.0,
+                                            False, 0.3, lam=lam, metric_side=side,
+                                            **({"U_k": U} if side == "key" else {"U_q": U}))
+    torch.testing.assert_close(out, ref.transpose(1, 2), rtol=1e-12, atol=1e-12)
+    # without frames the states are read as given (rotated): another function
+    plain = rr_hf.attention_forward(layer, q, k, v, mask, scaling=0.3)[0]
+    assert _rel(plain, out) > 1e-3
+
+
+def _logits(model, implementation, ids, **kw):
+    model.set_attn_implementation(implementation)
+    try:
+        with torch.no_grad():
+            return model(ids, **kw).logits
+    finally:
+        model.set_attn_implementation(rr_hf.NAME)
+
+
+def _without_frames(model):
+    """The same model with the rotary pre-hooks removed: the metric reads the rotated keys (the old backend)."""
+    import copy
+    plain = copy.deepcopy(model)
+    for _, layer in rr_hf._attention_layers(plain):
+        layer._forward_pre_hooks.clear()
+        layer._forward_pre_hooks_with_kwargs.clear()
+    return plain
+
+
+@pytest.mark.parametrize("name", ROTARY)
+def test_rotary_models_depend_on_relative_positions_only(name, gen):
+    """Every position shifted by 5: the last logits stay within 1e-6 (relative), as with SDPA in the same
+    test; Qwen2's second layer and both of Mistral's have a 4-token sliding window, shorter than the prompt."""
+    model = _switched(name, strength=1.0).eval()
+    ids = torch.randint(V, (2, 11), generator=gen)
+    pos = torch.arange(11).unsqueeze(0)
+    errors = {}
+    for impl in ("sdpa", rr_hf.NAME):
+        errors[impl] = _rel(_logits(model, impl, ids, position_ids=pos + 5)[:, -1],
+                            _logits(model, impl, ids, position_ids=pos)[:, -1])
+    assert errors["sdpa"] < 1e-7 and errors[rr_hf.NAME] < 1e-6, errors
+    # the test has teeth: reading the rotated keys, the metric depends on absolute positions
+    plain = _without_frames(model)
+    assert _rel(_logits(plain, rr_hf.NAME, ids, position_ids=pos + 5)[:, -1],
+                _logits(plain, rr_hf.NAME, ids, position_ids=pos)[:, -1]) > 1e-4
+
+
+@pytest.mark.parametrize("name", ROTARY)
+def test_a_left_padded_batch_gives_each_prompt_alone(name, gen):
+    """Two prompts of 11 and 7 tokens, the shorter left-padded: without position_ids (transformers counts
+    positions from the first slot, so the short prompt sits at 4..10) and with them (0..6), the logits
+    of each prompt's tokens and the greedy continuation equal those of the prompt alone."""
+    model = _switched(name, strength=1.0).eval()
+    ids = torch.randint(1, V, (2, 11), generator=gen)
+    ids[1, :4] = 0
+    mask = torch.ones(2, 11, dtype=torch.long)
+    mask[1, :4] = 0
+    alone = [_logits(model, rr_hf.NAME, ids[:1])[0], _logits(model, rr_hf.NAME, ids[1:, 4:])[0]]
+    for impl in ("sdpa", rr_hf.NAME):
+        for pos in (None, (mask.cumsum(-1) - 1).clamp_min(0)):
+            out = _logits(model, impl, ids, attention_mask=mask, position_ids=pos)
+            ref = alone if impl == rr_hf.NAME else [_logits(model, "sdpa", ids[:1])[0],
+                                                   _logits(model, "sdpa", ids[1:, 4:])[0]]
+            err = max(_rel(out[0], ref[0]), _rel(out[1, 4:], ref[1]))
+            assert err < 1e-6, (impl, pos is None, err)
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    both = model.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(both[1, 4:], model.generate(ids[1:, 4:], **kw)[0])
+    assert torch.equal(both[0], model.generate(ids[:1], **kw)[0])
+    plain = _without_frames(model)  # teeth: the old backend moves the short prompt's logits
+    out = _logits(plain, rr_hf.NAME, ids, attention_mask=mask)
+    assert _rel(out[1, 4:], _logits(plain, rr_hf.NAME, ids[1:, 4:])[0]) > 1e-4
+
+
+def test_the_cache_keeps_the_frames_of_its_keys(gen):
+    """A DynamicCache: prefill, crop, step (the frames of the removed tokens are dropped); a cache reused
+    after reset; a batch that changes between calls and a cache filled before attach are refused."""
+    model = _switched("llama", strength=1.0).eval()
+    ids = torch.randint(V, (2, 9), generator=gen)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :7], past_key_values=cache, position_ids=torch.arange(7).unsqueeze(0) + 3)
+        cache.crop(-2)  # back to 5 tokens
+        step = model(ids[:, 5:6], past_key_values=cache, position_ids=torch.tensor([[8]])).logits[:, -1]
+        full = model(ids[:, :6], position_ids=torch.arange(6).unsqueeze(0) + 3).logits[:, -1]
+        torch.testing.assert_close(step, full, rtol=1e-12, atol=1e-12)
+        cache.reset()  # reused from empty: the old frames are not read
+        model(ids[:, 2:7], past_key_values=cache)
+        step = model(ids[:, 7:8], past_key_values=cache).logits[:, -1]
+        torch.testing.assert_close(step, model(ids[:, 2:8]).logits[:, -1], rtol=1e-12, atol=1e-12)
+        # rows at different positions, then a call with another batch: which rows were kept is unknown
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :3], past_key_values=cache, position_ids=torch.tensor([[0, 1, 2], [4, 5, 6]]))
+        with pytest.raises(ValueError, match=r"batch changed from 2 to 3 rows"):
+            model(ids[:1, 3:4].expand(3, 1), past_key_values=cache, position_ids=torch.tensor([[3], [7], [7]]))
+        filled = DynamicCache(config=model.config)
+        MODELS["llama"]().to(F64).eval()(ids[:, :4], past_key_values=filled)  # filled by a model without attach()
+        with pytest.raises(ValueError, match=r"holds 4 tokens of layer 0 but the rotary frames of only 0"):
+            model(ids[:, 4:5], past_key_values=filled)
+
+
+@pytest.mark.parametrize("fill", ["finfo_min", "-inf"])
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_4d_float_mask_with_fully_masked_rows(name, fill, gen):
+    """A 4-D additive mask (causal and padding, the padded queries' rows fully masked): finite logits
+    everywhere, the same as the boolean 4-D mask (fully masked rows give 0 in both), and on the real
+    tokens the same as the model's 2-D padding mask; with zero factors, SDPA's (key-norm oracle)."""
+    n = 10
+    ids, mask = _batch(gen, n=n)
+    real = mask.bool()
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool)) & real[:, None, :] & real[:, :, None]  # (B, n, n)
+    assert (~allowed).all(-1).any()  # some rows are fully masked
+    value = torch.finfo(F64).min if fill == "finfo_min" else float("-inf")
+    float_mask = torch.zeros(allowed.shape, dtype=F64).masked_fill(~allowed, value).unsqueeze(1)
+    for strength in (1.0, 0.0):
+        model = _switched(name, strength=strength).eval()
+        out = _logits(model, rr_hf.NAME, ids, attention_mask=float_mask)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, _logits(model, rr_hf.NAME, ids, attention_mask=allowed.unsqueeze(1)),
+                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out[real], _logits(model, rr_hf.NAME, ids, attention_mask=mask)[real],
+                                   rtol=1e-10, atol=1e-12)
+        if strength == 0.0:
+            sdpa = _logits(model, "sdpa_key_norm", ids, attention_mask=float_mask)
+            torch.testing.assert_close(out[real], sdpa[real], rtol=1e-10, atol=1e-12)
+    # a float mask of another kind is refused with its dtype named
+    layer = rr_hf._attention_layers(model)[0][1]
+    q = torch.randn(1, 4, 3, 8, dtype=F64, generator=gen)
+    k = torch.randn(1, layer.riemannian_metric.n_heads, 3, 8, dtype=F64, generator=gen)
+    with pytest.raises(ValueError, match=r"attention_mask must be boolean or floating point, got dtype torch.int64"):
+        rr_hf.attention_forward(layer, q, k, k, torch.zeros(1, 1, 3, 3, dtype=torch.long))
+
+
+# ------------------------------------------------------------------ mixed precision and dropout
+
+def test_bf16_autocast_training_with_dropout_on_gpt2(monkeypatch):
+    """GPT-2 (attn_pdrop = 0.1) in float32, trained under CPU autocast to bfloat16: every attention call
+    has dropout and runs under autocast, the loss stays finite and falls."""
+    torch.manual_seed(0)
+    model = _switched("gpt2", dtype=torch.float32).train()
+    assert model.config.attn_pdrop == 0.1
+    calls = []
+    inner = rr_hf.riemannian_attention
+
+    def spy(query, key, value, mask, dropout_p, *args, **kwargs):
+        calls.append((query.dtype, dropout_p, torch.is_autocast_enabled("cpu")))
+        return inner(query, key, value, mask, dropout_p, *args, **kwargs)
+
+    monkeypatch.setattr(rr_hf, "riemannian_attention", spy)
+    pattern = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    ids = torch.stack([pattern.repeat(3)[:16].roll(i) for i in range(8)])  # (8, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert set(calls) == {(torch.bfloat16, 0.1, True)}
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < 0.8 * losses[0], losses
+    for n, p in model.named_parameters():
+        assert torch.isfinite(p).all(), n
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_dropout_is_computed_in_float32(dtype, gen):
+    """With dropout (here 1e-7, so that nothing is dropped) half-precision inputs are computed in float32
+    as without it: the error against the float64 reference of the same rounded inputs is that of the
+    dropout-free call (the half-precision dense path gave 35 (float16) to 60 (bfloat16) times more)."""
+    model = _switched("gpt2", strength=1.0)
+    layer = model.transformer.h[0].attn.to(dtype)
+    B, h, n, d = 2, 4, 48, 8
+    q, k = (3 * torch.randn(2, B, h, n, d, generator=gen)).to(dtype).unbind(0)
+    v = torch.randn(B, h, n, d, generator=gen).to(dtype)
+    lam, U = layer.riemannian_metric(k)
+    ref = rr.riemannian_attention_reference(q.double(), k.double(), v.double(), None, 0.0, True, d ** -0.5,
+                                            U_k=U.double(), lam=lam.double()).transpose(1, 2)
+    errors = []
+    for p in (0.0, 1e-7):
+        torch.manual_seed(5)
+        out = rr_hf.attention_forward(layer, q, k, v, None, dropout=p)[0]
+        assert out.dtype == dtype
+        errors.append((out.double() - ref).abs().max().item())
+    assert errors[1] <= 1.5 * errors[0] + 1e-3 and errors[1] < 0.05, errors
