@@ -9,16 +9,17 @@ operator of :mod:`riemannian_ref.attention._blockwise` one of two ways:
   (:func:`torch.compiler.is_compiling`): :class:`TracedRiemannianAttentionFn`,
   whose ``apply`` calls the custom op ``riemannian_ref::attention``, which
   the tracer records as one node of the graph. Its fake implementation gives
-  the output shapes without computing, and its autograd formula (:func:`torch.library.register_autograd`) calls a
-  second custom op, ``riemannian_ref::attention_backward``, so the backward
-  graph holds one opaque node too. ``torch.compile(model, fullgraph=True)``
+  the output shapes without computing, and its autograd formula
+  (:func:`torch.library.register_autograd`) calls a second custom op,
+  ``riemannian_ref::attention_backward``, so the backward graph holds one
+  opaque node too. ``torch.compile(model, fullgraph=True)``
   therefore traces a model through the attention instead of breaking the
   graph around it.
 
 Both ways run the same code: the ops' implementations call
 ``_RiemannianAttentionFn.forward`` and ``.backward`` with a stand-in for the
-autograd context (:class:`_Ctx`), so the numbers are those of the eager
-operator, bit for bit. The eager path does not go through the op because
+autograd context (:class:`_Ctx`), so on the same inputs (and thread count)
+the numbers are those of the eager operator, bit for bit. The eager path does not go through the op because
 torch wraps every kernel of a Python custom op in ``torch._disable_dynamo``,
 whose first call imports ``torch._dynamo`` (and, through it, ``triton`` when
 installed; 1.3 s on the development machine): an eager user would pay the
@@ -29,8 +30,8 @@ The op's arguments are those of ``_RiemannianAttentionFn.apply``, flattened
 over the batch (see its docstring); ``None`` factors and masks are ``Tensor?``
 arguments. The forward op also returns the row log-sum-exp (base 2) that the
 backward needs; the backward op returns every gradient, with an empty tensor
-where there is none (a ``Tensor?`` output is not allowed), which the autograd
-formula turns back into ``None``.
+where there is none (``torch.library`` refuses optional outputs), which the
+autograd formula turns back into ``None``.
 """
 from __future__ import annotations
 
