@@ -8,7 +8,7 @@ silently or failing deep inside a matmul.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -70,10 +70,25 @@ def as_positive(x, name: str, like: Tensor) -> Tensor:
         t = torch.tensor(float(x), dtype=like.dtype, device=like.device)
     else:
         raise ValueError(f"{name} must be a positive float or a tensor, got {type(x).__name__}")
-    if not torch.isfinite(t).all() or not (t > 0).all():
-        bad = t[~(torch.isfinite(t) & (t > 0))].flatten()[:3].tolist()
-        raise ValueError(f"{name} must be finite and > 0 everywhere, got values such as {bad}")
+    ok = torch.isfinite(t) & (t > 0)
+    check_values(ok.all(), f"{name} must be finite and > 0 everywhere",
+                 lambda: f", got values such as {t[~ok].flatten()[:3].tolist()}")
     return t
+
+
+def check_values(ok: Tensor, message: str, detail: Callable[[], str] | None = None) -> None:
+    """A check on tensor values: ``ValueError(message + detail())`` unless the bool tensor ``ok`` holds.
+
+    While ``torch.compile`` (or ``torch.export``) traces, a graph cannot branch
+    on values: the check then becomes an assertion inside the graph
+    (``torch._assert_async``), which raises a ``RuntimeError`` with
+    ``message`` (``detail``, which reads the values, is not called) when the
+    compiled code runs on bad values.
+    """
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+    elif not ok:
+        raise ValueError(message + (detail() if detail is not None else ""))
 
 
 # ------------------------------------------------------------ scalar arguments and config fields

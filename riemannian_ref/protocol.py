@@ -51,7 +51,6 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-from scipy import stats
 from torch import nn
 
 from .data import TaskData
@@ -201,6 +200,8 @@ def paired_difference(a: Sequence[float], b: Sequence[float], *, confidence: flo
         out.update(t_ci=[mean, mean], t_p=None if mean == 0 else 0.0, boot_ci=[mean, mean], wilcoxon_p=None,
                    effect_size=None)
         return out
+    from scipy import stats  # here, not at import: scipy.stats costs 0.7 s, more than the package itself
+
     t = stats.ttest_rel(a, b)
     ci = t.confidence_interval(confidence)
     boot = stats.bootstrap((d,), np.mean, confidence_level=confidence, n_resamples=n_resamples,
@@ -278,13 +279,21 @@ def compare(arms: Mapping[str, Arm], data: Callable[[int], tuple[TaskData, TaskD
         Level of the intervals.
     workers : int, default 1
         Processes that train the independent runs of each phase (the tuning
-        grid, then the evaluation seeds) side by side, each with
-        ``max(1, torch.get_num_threads() // workers)`` threads. On a
-        machine whose cores one small model cannot keep busy this divides the
-        wall time; the numbers are the same as with one worker, the recorded
-        ``wall_s`` of each run are those of a run sharing the machine with
-        ``workers - 1`` others. Needs the ``fork`` start method (Linux) and a
-        CPU device; the matched wall-clock timing always runs alone.
+        grid, then the evaluation seeds) side by side, forked from this one,
+        each with one intra-op thread: once this process has run a
+        multi-threaded torch region (``wallclock=True`` trains here before
+        it forks), a forked child with more threads hangs in its first
+        parallel region, since it has none of the parent's OpenMP threads
+        (torch's CPU build uses GNU OpenMP, which does not rebuild its pool
+        in a child); with one thread a child runs every kernel inline. Use
+        about one worker per core: on a machine whose cores one small model
+        cannot keep busy this divides the wall time. The numbers are those of ``workers=1`` with one thread
+        (other thread counts can differ at round-off where a CPU kernel
+        splits a sum over threads), the recorded ``wall_s`` of each run are
+        those of a one-thread run sharing the machine with ``workers - 1``
+        others. Needs the ``fork`` start method (Linux) and a CPU device (the
+        arms and ``data`` are inherited, not pickled, so lambdas work); the
+        matched wall-clock timing always runs alone, in this process.
     progress : callable ``(message) -> None``, optional
         Called before every run (e.g. a progress bar's ``set_description``);
         with several workers, as each run finishes.
@@ -496,8 +505,11 @@ def _call_forked(job: tuple) -> dict:
     return _FORKED_RUN(*job)
 
 
-def _init_worker(threads: int) -> None:
-    torch.set_num_threads(threads)
+def _init_worker() -> None:
+    # One thread, before any torch work in the child: the parent's OpenMP pool did not survive the fork, and
+    # the child's first multi-threaded region would wait for its threads forever (a parent that ever ran a
+    # multi-threaded region is enough). A single-threaded child runs every kernel inline.
+    torch.set_num_threads(1)
 
 
 def _run_forked(run: Callable, jobs: list[tuple], workers: int, say: Callable) -> list[dict]:
@@ -505,13 +517,12 @@ def _run_forked(run: Callable, jobs: list[tuple], workers: int, say: Callable) -
 
     Forked, so the workers inherit ``run`` (a closure over the arms and the
     data) without pickling it; only the jobs and the result dicts cross.
+    Each worker runs with one intra-op thread (:func:`_init_worker`).
     """
     global _FORKED_RUN
-    threads = max(1, torch.get_num_threads() // workers)
     _FORKED_RUN = run
     try:
-        with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker,
-                                                      initargs=(threads,)) as pool:
+        with multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker) as pool:
             out = []
             for job, res in zip(jobs, pool.imap(_call_forked, jobs)):
                 say(job)
@@ -522,6 +533,8 @@ def _run_forked(run: Callable, jobs: list[tuple], workers: int, say: Callable) -
 
 
 def _mean_ci(values: list[float], confidence: float) -> dict:
+    from scipy import stats
+
     v = np.asarray(values, dtype=float)
     mean = float(v.mean())
     sd = float(v.std(ddof=1)) if len(v) > 1 else 0.0

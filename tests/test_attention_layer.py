@@ -231,7 +231,7 @@ def test_key_mask_with_a_float_attn_mask():
 
 
 def test_compiled_module_runs_and_matches():
-    """torch.compile (dynamo, graph break around the operator) gives the eager result and gradients.
+    """torch.compile (dynamo; the operator is a custom op in the graph) gives the eager result and gradients.
 
     The "eager" backend keeps this test fast; what can break is dynamo tracing the module.
     """

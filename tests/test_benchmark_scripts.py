@@ -58,3 +58,13 @@ def test_ablation_switches_exist_and_hold_the_operators_choice():
 
     for _, attr, alt, ours in ab.SWITCHES:
         assert getattr(bw, attr) == ours != alt
+
+
+def test_bench_import_tiny(tmp_path):
+    out = tmp_path / "import.json"
+    run("bench_import.py", "--runs", "1", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert set(res["median_s"]) == {"torch", "riemannian_ref"} and all(len(t) == 1 for t in res["times_s"].values())
+    assert res["extra_s"] == pytest.approx(res["median_s"]["riemannian_ref"] - res["median_s"]["torch"])
+    assert res["extra_over_torch"] == pytest.approx(res["extra_s"] / res["median_s"]["torch"])
+    assert Path(res["package"]).resolve().is_relative_to(ROOT)  # it timed this checkout's package

@@ -86,6 +86,76 @@ def test_parallel_workers_reproduce_every_number(result):
     assert len(seen) == len(par["runs"]) and seen[0].startswith("tune dot seed 100")
 
 
+FORK_PROBE = """
+import json, os, sys
+import torch
+import riemannian_ref as rr
+from riemannian_ref.attention import _blockwise
+from riemannian_ref.protocol import Arm
+
+def data(seed):
+    return rr.data.make_task("lookup", seed=seed, n_train=256, n_val=64, n_keys=6, n_values=4, n_pairs=3)
+
+arms = {s: Arm(lambda s=s: rr.RecallHead(6, 4, 16, 2, scores=s, metric_rank=0)) for s in ("dot", "metric")}
+cfg = rr.TrainConfig(steps=12, batch_size=32, eval_interval=4, schedule="constant")
+kw = dict(lrs=(3e-3, 3e-2), tune_seeds=(100,), eval_seeds=(0, 1), wallclock=True,
+          wallclock_steps={"dot": 12, "metric": 6})
+# What wallclock=True's timing does before it forks: multi-threaded torch work in this process, here
+# explicit (4 threads, so that the old rule, threads // workers, gave each child 2), and the attention
+# operator's own thread pool started.
+torch.set_num_threads(4)
+a = torch.randn(512, 512)
+(a @ a).sum()
+x = torch.randn(8, 2, 64, 8)
+rr.riemannian_attention(x, x, x, U_k=torch.randn(8, 2, 64, 8, 2))
+res = {"pool_live": _blockwise._POOL is not None}
+pid = os.fork()
+if pid == 0:  # a forked child must not inherit the operator's pool (its threads are not copied)
+    os._exit(0 if _blockwise._POOL is None else 3)
+res["child_forgot_pool"] = os.waitpid(pid, 0)[1] == 0
+par = rr.compare(arms, data, cfg, workers=2, **kw)
+torch.set_num_threads(1)
+one = rr.compare(arms, data, cfg, workers=1, **kw)
+def strip(r):
+    return [(x["mode"], x["seed"], x["role"], x["budget"], x["lr"], x["steps"], x["curve"]) for x in r["runs"]]
+res.update(same_runs=strip(par) == strip(one), same_paired=par["paired"] == one["paired"],
+           time_steps=sorted(x["steps"] for x in par["runs"] if x["budget"] == "time"),
+           workers=par["machine"]["workers"])
+print(json.dumps(res))
+"""
+
+
+def test_forked_workers_after_multithreaded_work_finish_and_reproduce_one_worker():
+    """compare(workers=2, wallclock=True) after the parent ran 4-thread torch work: no hang, the workers=1 numbers.
+
+    A forked child with more than one thread would wait forever for OpenMP threads it does not have; the
+    probe runs in its own session under a timeout, so a hang fails this test (and is killed) instead of
+    hanging the suite.
+    """
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.Popen([sys.executable, "-c", FORK_PROBE], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the probe and its forked workers
+        proc.communicate()
+        pytest.fail("rr.compare(workers=2) hung after multi-threaded torch work in the parent")
+    assert proc.returncode == 0, err
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["pool_live"] and res["child_forgot_pool"]
+    # the matched wall-clock phase: the metric arm's two 6-step runs are trained by the workers too
+    assert res["workers"] == 2 and res["time_steps"] == [6, 6, 12, 12]
+    assert res["same_runs"] and res["same_paired"]
+
+
 def test_matched_wallclock_reuses_equal_budgets_and_honours_given_steps():
     res = rr.compare(ARMS, data, CFG, lrs=(1e-2,), eval_seeds=(0, 1), wallclock=True,
                      wallclock_steps={"dot": 12, "distance": 6})

@@ -66,6 +66,7 @@ each of these off in the operator itself and measures what it is worth.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -431,6 +432,16 @@ def _chunk_online(q, k, v, lam, W, Uk, Uq, mask, causal, s2, ck2, cq2, bq, bk, b
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
 _POOL_LOCK = threading.Lock()
+
+
+def _forget_pool_after_fork() -> None:
+    """In a forked child: drop the parent's pool, whose threads were not copied (it would never run a task)."""
+    global _POOL, _POOL_SIZE, _POOL_LOCK
+    _POOL, _POOL_SIZE, _POOL_LOCK = None, 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
 def _single_threaded_worker() -> None:

@@ -20,13 +20,13 @@ from torch import Tensor
 
 from .._checks import shape_str
 from ._blockwise import _RiemannianAttentionFn, block_sizes_for
+from ._op import TracedRiemannianAttentionFn
 from ._validate import check_attention_inputs
 from .reference import riemannian_attention_reference
 
 __all__ = ["riemannian_attention"]
 
 
-@torch.compiler.disable
 def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                          dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, *,
                          U_q: Tensor | None = None, U_k: Tensor | None = None, lam=1.0,
@@ -109,9 +109,12 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     expanded distance cancels terms of size :math:`|q|^2` and bfloat16's
     8-bit mantissa would leave no correct digit in the differences.
 
-    ``torch.compile``: the operator is excluded from tracing
-    (``torch.compiler.disable``), so a compiled model graph-breaks around it
-    and runs it eagerly (``fullgraph=True`` is therefore not possible).
+    ``torch.compile``: the blockwise operator is registered as the custom ops
+    ``riemannian_ref::attention`` and ``riemannian_ref::attention_backward``
+    (private, :mod:`riemannian_ref.attention._op`, with fake implementations
+    and the autograd formula), which a trace records as single nodes, so a
+    model compiles through it, with ``fullgraph=True`` too, forward and
+    backward; eager calls run the same operator without the op layer.
 
     Dropout: ``dropout_p > 0`` takes the dense reference path (see above);
     SDPA-style, dropout is applied whenever ``dropout_p > 0``, so pass
@@ -189,10 +192,12 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     if blocks is None:
         blocks = block_sizes_for(n_q, n_k, 1 + rk + rq)
     # the mask keeps its own batch shape (a key-padding mask [B, 1, 1, n_k] stays O(B n_k))
-    out = _RiemannianAttentionFn.apply(qf.contiguous(), kf.contiguous(), vf.contiguous(), lamf, W,
-                                       Ukf.contiguous() if Ukf is not None else None,
-                                       Uqf.contiguous() if Uqf is not None else None,
-                                       attn_mask, is_causal, scale, c, c, blocks, tuple(batch))
+    # eagerly the autograd Function; while torch.compile traces, the same operator as a custom op (_op.py)
+    fn = TracedRiemannianAttentionFn if torch.compiler.is_compiling() else _RiemannianAttentionFn
+    out = fn.apply(qf.contiguous(), kf.contiguous(), vf.contiguous(), lamf, W,
+                   Ukf.contiguous() if Ukf is not None else None,
+                   Uqf.contiguous() if Uqf is not None else None,
+                   attn_mask, is_causal, scale, c, c, blocks, tuple(batch))
     return out.view(*batch, n_q, value.shape[-1])
 
 

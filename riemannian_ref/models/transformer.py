@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import check_bool, check_int as _pos_int, check_number as _number, check_tensor, shape_str
+from .._checks import check_values
 from ..attention.layer import RiemannianAttention
 from ..geometry.metric import LowRankMetric, MetricNet
 from .config import FiberBundleConfig
@@ -200,9 +201,10 @@ class FiberBundleTransformer(nn.Module):
             idx = check_tensor(idx, "idx", min_dim=2, floating=False)
             if idx.dim() != 2 or idx.dtype not in (torch.int64, torch.int32):
                 raise ValueError(f"idx must be an integer tensor of shape [B, n], got {idx.dtype} {shape_str(idx)}")
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= cfg.vocab_size):
-                raise ValueError(f"idx must hold token ids in [0, vocab_size) = [0, {cfg.vocab_size}), got "
-                                 f"values in [{int(idx.min())}, {int(idx.max())}]")
+            if idx.numel():
+                check_values(((idx >= 0) & (idx < cfg.vocab_size)).all(),
+                             f"idx must hold token ids in [0, vocab_size) = [0, {cfg.vocab_size})",
+                             lambda: f", got values in [{int(idx.min())}, {int(idx.max())}]")
             x = self.tok_emb(idx)  # (B, n, D)
         else:
             x = check_tensor(embeds, "embeds", min_dim=3)
