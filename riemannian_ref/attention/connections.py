@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 
 from .._checks import broadcast_batch, check_same, check_tensor, shape_str
-from ._validate import check_attention_inputs
+from ._validate import autocast_dtype, check_attention_inputs
 from .functional import riemannian_attention
 from .reference import additive_mask, masked_softmax, riemannian_attention_reference
 
@@ -402,6 +402,12 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     is about 1.5 to 3.5 ``[..., n, n, d]`` tensors (batch 8, 4 heads,
     n = 256, d = 16 in float32 is 128 MiB each), never a ``[n, n, d, d]`` one.
     """
+    ac = autocast_dtype(query.device.type) if isinstance(query, Tensor) else None
+    if ac is not None and query.dtype != torch.float64:  # autocast leaves float64 alone, as it does for SDPA
+        return _autocast_attention(ac, query, key, value, attn_mask, dropout_p, is_causal, scale, U_q=U_q, U_k=U_k,
+                                   lam=lam, metric_side=metric_side, scores=scores, connection=connection,
+                                   rates=rates, positions=positions, transport_values=transport_values,
+                                   return_weights=return_weights)
     if connection not in CONNECTIONS:
         raise ValueError(f"connection must be one of {CONNECTIONS}, got {connection!r}")
     if scores not in ("metric", "dot"):
@@ -453,6 +459,25 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     return _content_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
                               metric_side, scores, rates, p, transport_values, return_weights,
                               edge_rule(connection))
+
+
+def _autocast_attention(ac, query, key, value, attn_mask, dropout_p, is_causal, scale, **kw):
+    """:func:`connection_attention` under ``torch.autocast`` (dtype ``ac``), whose inputs come in mixed precisions.
+
+    Plain dot-product attention (no transport, no weights) is SDPA, which
+    autocast runs in ``ac``: its inputs are cast to ``ac``, as autocast casts
+    them. Everything else (metric scores, transports) is computed in float32
+    with autocast off; the result, and the weights, come back in ``ac``, the
+    dtype autocast gives SDPA's result.
+    """
+    sdpa = kw["scores"] == "dot" and kw["connection"] == "trivial" and not kw["return_weights"]
+    to = (lambda t: t.to(ac) if isinstance(t, Tensor) and t.is_floating_point() else t) if sdpa else \
+        (lambda t: t.float() if isinstance(t, Tensor) and t.is_floating_point() else t)  # noqa: E731
+    with torch.autocast(query.device.type, enabled=False):
+        res = connection_attention(to(query), to(key), to(value), to(attn_mask), dropout_p, is_causal, scale,
+                                   **{name: (to(t) if name in ("U_q", "U_k", "lam", "rates") else t)
+                                      for name, t in kw.items()})
+    return tuple(t.to(ac) for t in res) if kw["return_weights"] else res.to(ac)
 
 
 def _attend(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side, scores, return_weights):

@@ -136,30 +136,54 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     Triton's interpreter against the dense reference; their speed on a GPU
     has not been measured.
     """
+    from ._validate import autocast_dtype, group_heads  # (local: the import lines above are shared)
+
     dev = query.device.type if isinstance(query, Tensor) else "cpu"
-    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
-        # inputs may come in mixed precisions: compute in float32, return float32
+    ac = autocast_dtype(dev)
+    if ac is not None:
+        # autocast: the inputs may come in mixed precisions (the model's lam in float32, its queries in the
+        # autocast dtype); computed in float32, returned in the autocast dtype as SDPA's result is. Float64
+        # inputs, which autocast leaves alone, stay float64.
+        keep = isinstance(query, Tensor) and query.dtype == torch.float64
         with torch.autocast(dev, enabled=False):
-            return riemannian_attention(*_f32(query, key, value, attn_mask), dropout_p, is_causal, scale,
-                                        U_q=_f32(U_q), U_k=_f32(U_k), lam=_f32(lam), metric_side=metric_side,
-                                        enable_gqa=enable_gqa, block_sizes=block_sizes)
-    if enable_gqa:
-        key, value, U_k = _repeat_kv(query, key, value, U_k)
+            up = (lambda *ts: ts if len(ts) > 1 else ts[0]) if keep else _f32
+            out = riemannian_attention(*up(query, key, value, attn_mask), dropout_p, is_causal, scale,
+                                       U_q=up(U_q), U_k=up(U_k), lam=up(lam), metric_side=metric_side,
+                                       enable_gqa=enable_gqa, block_sizes=block_sizes)
+        return out if keep else out.to(ac)
+    g = 1
+    if enable_gqa:  # views: the batch [..., h_q] becomes [..., h_kv, g], the key side [..., h_kv, 1]
+        g, query, key, value, attn_mask, U_q, U_k, lam = group_heads(query, key, value, attn_mask, U_q, U_k, lam)
     lam_t, scale, per_q, per_k, batch = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal,
                                                                scale, U_q, U_k, lam, metric_side)
     blocks = _check_block_sizes(block_sizes) if block_sizes is not None else None
+    out = _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t, metric_side,
+                    per_q, per_k, batch, blocks, g)
+    return out.flatten(-4, -3) if g > 1 else out
+
+
+def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t, metric_side, per_q, per_k,
+              batch, blocks, g):
+    """A validated call (``g`` > 1: grouped-query views, key side [..., h_kv, 1]) to its backend.
+
+    One dtype rule on every branch: float16/bfloat16 are computed in float32
+    and returned in their dtype (the Triton kernels do that themselves).
+    """
     n_q, n_k = query.shape[-2], key.shape[-2]
-    if dropout_p > 0.0 or n_q == 0 or math.prod(batch) == 0:  # dropout, or nothing to compute
+    if n_q == 0 or math.prod(batch) == 0:  # nothing to compute
         return riemannian_attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                               U_q=U_q, U_k=U_k, lam=lam_t, metric_side=metric_side)
-    if query.device.type == "cuda" and _triton_path(query, value, attn_mask, U_q, U_k):
+    if dropout_p == 0.0 and query.device.type == "cuda" and _triton_path(query, value, attn_mask, U_q, U_k):
         from . import _triton  # imports triton: only here, on first use
         return _triton.attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side,
                                       per_q, per_k, batch)
     if query.dtype in (torch.float16, torch.bfloat16):  # half inputs: compute in float32, return their dtype
-        out = riemannian_attention(*_f32(query, key, value, attn_mask), 0.0, is_causal, scale, U_q=_f32(U_q),
-                                   U_k=_f32(U_k), lam=_f32(lam_t), metric_side=metric_side, block_sizes=blocks)
+        out = _dispatch(*_f32(query, key, value, attn_mask), dropout_p, is_causal, scale, _f32(U_q), _f32(U_k),
+                        _f32(lam_t), metric_side, per_q, per_k, batch, blocks, g)
         return out.to(query.dtype)
+    if dropout_p > 0.0:  # the blockwise operator has no dropout: the dense reference (in float32 at least)
+        return riemannian_attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                              U_q=U_q, U_k=U_k, lam=lam_t, metric_side=metric_side)
 
     # Sort the metric parts: shared ones join M (free), per-token ones give squared terms.
     w = 0.5 if metric_side == "mean" else 1.0
@@ -174,25 +198,34 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
             Uq_tok = U_q
         else:
             shared.append(U_q)
-    qf, kf, vf = _flat(query, batch, 2), _flat(key, batch, 2), _flat(value, batch, 2)
+    # grouped-query attention: the key side keeps its heads (batch element b reads key head b // g), unless
+    # per-token key factors were given per query head
+    g = g if g > 1 and (Uk_tok is None or Uk_tok.shape[-4] == 1) else 1
+    kv_batch = (*batch[:-1], 1) if g > 1 else batch
+    qf, kf, vf = _flat(query, batch, 2), _flat(key, kv_batch, 2), _flat(value, kv_batch, 2)
     lamf = lam_t.expand(batch).reshape(-1)
     W = None
     if shared:
         W = torch.cat([_flat(U, batch, 2) for U in shared], -1)
         if w != 1.0:
             W = W * math.sqrt(w)
-    Ukf = _flat(Uk_tok, batch, 3) if Uk_tok is not None else None
+    Ukf = _flat(Uk_tok, kv_batch, 3) if Uk_tok is not None else None
     Uqf = _flat(Uq_tok, batch, 3) if Uq_tok is not None else None
     c = math.sqrt(scale * w / 2.0)
     rk = Ukf.shape[-1] if Ukf is not None else 0
     rq = Uqf.shape[-1] if Uqf is not None else 0
     if blocks is None:
         blocks = block_sizes_for(n_q, n_k, 1 + rk + rq)
+    rows = None
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        from ._validate import mask_row_max
+        rows = mask_row_max(attn_mask, is_causal, n_q, n_k)  # [*mb, 1|n_q]: each row relative to its maximum
+        rows = rows if bool(rows.any()) else None  # all 0 (the usual padding mask): nothing to subtract
     # the mask keeps its own batch shape (a key-padding mask [B, 1, 1, n_k] stays O(B n_k))
     out = _RiemannianAttentionFn.apply(qf.contiguous(), kf.contiguous(), vf.contiguous(), lamf, W,
                                        Ukf.contiguous() if Ukf is not None else None,
                                        Uqf.contiguous() if Uqf is not None else None,
-                                       attn_mask, is_causal, scale, c, c, blocks, tuple(batch))
+                                       attn_mask, is_causal, scale, c, c, blocks, tuple(batch), g, rows)
     return out.view(*batch, n_q, value.shape[-1])
 
 
@@ -212,26 +245,6 @@ def _f32(*ts):
     """Floating tensors in float32 (others, and None, unchanged); one argument gives one result."""
     out = tuple(t.float() if isinstance(t, Tensor) and t.is_floating_point() else t for t in ts)
     return out[0] if len(ts) == 1 else out
-
-
-def _repeat_kv(query: Tensor, key: Tensor, value: Tensor, U_k: Tensor | None):
-    """Grouped-query attention: repeat the key/value heads (dimension -3) to the query heads."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor) or t.dim() < 3:
-            raise ValueError(f"enable_gqa=True needs {name} of shape [..., heads, n, d], got "
-                             f"{shape_str(t) if isinstance(t, Tensor) else type(t).__name__}")
-    hq, hk = query.shape[-3], key.shape[-3]
-    if value.shape[-3] != hk or hq % hk:
-        raise ValueError(f"enable_gqa=True needs key and value with the same number of heads, dividing the "
-                         f"query heads {hq}; got key {shape_str(key)}, value {shape_str(value)}")
-    g = hq // hk
-    if g == 1:
-        return key, value, U_k
-    if U_k is not None:
-        dim = -4 if U_k.dim() == key.dim() + 1 else -3  # per-token [..., h, n, d, r] or shared [..., h, d, r]
-        if U_k.shape[dim] == hk:
-            U_k = U_k.repeat_interleave(g, dim=dim)
-    return key.repeat_interleave(g, dim=-3), value.repeat_interleave(g, dim=-3), U_k
 
 
 def _check_block_sizes(block_sizes) -> tuple[int, int]:
