@@ -433,10 +433,13 @@ if HAS_TRITON:
         if MASK_KIND == 2:
             # each row relative to its largest visible entry c_i (a row constant); a row whose c_i is at most
             # -2**120 (DOMINANT_MASK: finfo.min) keeps its mask only, as SDPA's sum s + m rounds to m there
-            mv = tl.load(mptr, mask=inb, other=0.0).to(tl.float32)
+            mv = tl.load(mptr, mask=inb, other=float("-inf")).to(tl.float32)  # outside the tile: no key
             c = tl.load(mrow_ptr + offs_m.to(tl.int64) * smr, mask=offs_m < n_q, other=0.0)
             mv = mv - c[:, None]
             s = tl.where(c[:, None] <= -1.329227995784916e36, mv, s + mv)
+            # finite entries far below the row's maximum weigh 0 either way, and those above it are causally
+            # hidden: keep s * log2(e) finite
+            s = tl.where(s == float("-inf"), s, tl.minimum(tl.maximum(s, -1.0e38), 1.0e38))
         s = tl.where(valid, s * 1.4426950408889634, float("-inf"))
         return s, X, Y
 
