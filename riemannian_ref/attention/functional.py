@@ -51,7 +51,14 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         Boolean (``True`` = may attend) or additive float mask of the query's
         dtype, broadcastable to ``[..., n_q, n_k]`` without enlarging the
         batch. A float mask that requires grad gets its gradient (a learned
-        bias trains), as with SDPA.
+        bias trains), as with SDPA. Masked rows give SDPA's result on every
+        backend: a row that sees no key (``False``, ``-inf`` or causally
+        hidden everywhere) gives 0 with zero gradients; a row whose visible
+        entries are all at most ``-2**120`` (``torch.finfo(dtype).min``, the
+        masking value of ``transformers``, for every dtype but float16) gives
+        the softmax of its mask alone, i.e. the average of the values it sees,
+        as SDPA does (there ``s + m`` rounds to ``m``). Each row enters
+        relative to its largest visible entry (a row constant, so exact).
     dropout_p : float
         Dropout on the attention weights. ``dropout_p > 0`` runs the dense
         :func:`~riemannian_ref.attention.reference.riemannian_attention_reference`
@@ -71,13 +78,20 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         ``metric_side="key"`` means :math:`G = \lambda I`.
     lam : float or Tensor, shape broadcastable to the batch
         Isotropic part :math:`\lambda > 0` (e.g. per head, ``[h]`` for inputs
-        ``[B, h, n, d]``).
+        ``[B, h, n, d]``). With ``enable_gqa`` its last dimension may count
+        the query heads or the key heads (one per key head, as ``U_k``).
     metric_side : {"key", "query", "mean"}
         Whose metric measures a pair: :math:`G_j`, :math:`G_i` or
         :math:`(G_i + G_j)/2`.
     enable_gqa : bool
         Grouped-query attention, as SDPA: ``key``, ``value`` (and ``U_k``) may
-        have fewer heads (dimension -3) than ``query``, a divisor of its heads.
+        have fewer heads (dimension -3) than ``query``, a divisor of its heads;
+        query head ``i`` reads key head ``i // g`` (``g`` query heads per key
+        head). Nothing is repeated: the heads are grouped as views
+        ``[..., h_kv, g]``, and the blockwise operator and the Triton kernels
+        read each key head where it is (per-token ``U_k`` given per query head
+        makes the key side per query head, copied). ``U_k`` may have ``h_kv``,
+        ``h_q`` or 1 heads, ``U_q`` ``h_q`` or 1, ``attn_mask`` 1 or ``h_q``.
     block_sizes : (int, int), optional
         Query and key block sizes of the tiles; default: a rule measured on
         CPU that keeps a tile near 512 KiB.
@@ -85,7 +99,8 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     Returns
     -------
     Tensor, shape [..., n_q, d_v]
-        Rows whose keys are all masked give 0, with zero gradients (no NaN).
+        Rows that see no key give 0, with zero gradients (no NaN); see
+        ``attn_mask`` for rows masked with ``finfo.min``.
 
     Notes
     -----
@@ -103,17 +118,21 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     fixed after the first key block, and rows that would underflow (every key
     extremely far) are recomputed with the online softmax.
 
-    Precision: float32 and float64 run natively. Under ``torch.autocast``
-    (and for float16/bfloat16 inputs) the operator upcasts to float32, computes
-    there and returns float32 under autocast (the input dtype otherwise): the
-    expanded distance cancels terms of size :math:`|q|^2` and bfloat16's
-    8-bit mantissa would leave no correct digit in the differences.
+    Precision: float32 and float64 run natively. Float16/bfloat16 inputs are
+    computed in float32 and returned in their dtype, on every branch
+    (dropout included). Under ``torch.autocast`` the inputs may come in mixed
+    precisions (a model's float32 ``lam`` next to autocast queries): they are
+    computed in float32 and the result has the autocast dtype, as SDPA's
+    result has there (float64 inputs, which autocast leaves alone, stay
+    float64). The expanded distance cancels terms of size :math:`|q|^2` and
+    bfloat16's 8-bit mantissa would leave no correct digit in the differences.
 
     ``torch.compile``: the operator is excluded from tracing
     (``torch.compiler.disable``), so a compiled model graph-breaks around it
     and runs it eagerly (``fullgraph=True`` is therefore not possible).
 
-    Dropout: ``dropout_p > 0`` takes the dense reference path (see above);
+    Dropout: ``dropout_p > 0`` takes the dense reference path (see above),
+    in float32 at least;
     SDPA-style, dropout is applied whenever ``dropout_p > 0``, so pass
     ``dropout_p=0`` in evaluation (:class:`~riemannian_ref.attention.layer.RiemannianAttention`
     does).
