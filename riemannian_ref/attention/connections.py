@@ -480,11 +480,43 @@ def _autocast_attention(ac, query, key, value, attn_mask, dropout_p, is_causal, 
     return tuple(t.to(ac) for t in res) if kw["return_weights"] else res.to(ac)
 
 
+_SDPA_MASK_AND_CAUSAL: dict[str, bool] = {}
+
+
+def _sdpa_takes_mask_and_causal(device: torch.device) -> bool:
+    """Whether SDPA applies ``attn_mask`` and ``is_causal`` together on this device (checked once per process).
+
+    SDPA's documentation says the pair raises; torch 2.13's CPU kernels
+    accept it and apply both (top-left causal, as here). Where that holds, a
+    key-padding mask ``[B, 1, 1, n]`` reaches SDPA as it is, the compact form
+    the metric path keeps; elsewhere (other devices, whose kernels cannot be
+    probed for every shape and dtype here, and torch versions that raise)
+    the two are combined into one ``[B, 1, n, n]`` mask. The probe compares
+    the pair with that combination on a small call whose first rows see no
+    key, so a version that ignored either part would fail it.
+    """
+    if device.type != "cpu":
+        return False
+    if "cpu" not in _SDPA_MASK_AND_CAUSAL:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 1, n, 4, generator=g) for n in (5, 6, 6))
+        keep = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+        keep[0, ..., :2] = False  # with causal: rows 0 and 1 of the first sequence see no key
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        try:
+            pair = sdpa(q, k, v, attn_mask=keep, is_causal=True)
+            one = sdpa(q, k, v, attn_mask=keep & torch.ones(5, 6, dtype=torch.bool).tril())
+            _SDPA_MASK_AND_CAUSAL["cpu"] = bool(torch.allclose(pair, one, atol=1e-6, rtol=1e-5))
+        except RuntimeError:
+            _SDPA_MASK_AND_CAUSAL["cpu"] = False
+    return _SDPA_MASK_AND_CAUSAL["cpu"]
+
+
 def _attend(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side, scores, return_weights):
     """Attention without transport: the operator, or its dense reference when the weights are wanted."""
     if scores == "dot":
-        if not return_weights:  # SDPA; it takes a mask or the causal flag, not both
-            if attn_mask is not None and is_causal:
+        if not return_weights:  # SDPA, with the mask as compact as the metric path keeps it where SDPA allows
+            if attn_mask is not None and is_causal and not _sdpa_takes_mask_and_causal(q.device):
                 attn_mask, is_causal = additive_mask(attn_mask, True, q.shape[-2], k.shape[-2], q), False
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
