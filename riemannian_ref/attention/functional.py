@@ -201,8 +201,9 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
                         _f32(lam_t), metric_side, per_q, per_k, batch, blocks, g)
         return out.to(query.dtype)
     if dropout_p > 0.0:  # the blockwise operator has no dropout: the dense reference (in float32 at least)
-        return riemannian_attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                              U_q=U_q, U_k=U_k, lam=lam_t, metric_side=metric_side)
+        return riemannian_attention_reference(query, key, value, _relative_mask(attn_mask, is_causal, n_q, n_k),
+                                              dropout_p, is_causal, scale, U_q=U_q, U_k=U_k, lam=lam_t,
+                                              metric_side=metric_side)
 
     # Sort the metric parts: shared ones join M (free), per-token ones give squared terms.
     w = 0.5 if metric_side == "mean" else 1.0
@@ -246,6 +247,24 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
                                        Uqf.contiguous() if Uqf is not None else None,
                                        attn_mask, is_causal, scale, c, c, blocks, tuple(batch), g, rows)
     return out.view(*batch, n_q, value.shape[-1])
+
+
+def _relative_mask(attn_mask, is_causal: bool, n_q: int, n_k: int):
+    """A float mask with each row relative to its largest visible entry, as the fast operators read it.
+
+    Exact (a row constant), and it keeps the sum with the scores from
+    rounding away the scores next to a large finite mask (float16's
+    ``finfo.min`` is -65504); rows at most ``DOMINANT_MASK`` stay as they are,
+    so there the scores still vanish, as in SDPA.
+    """
+    from ._validate import DOMINANT_MASK, mask_row_max
+
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        return attn_mask
+    c = mask_row_max(attn_mask, is_causal, n_q, n_k).unsqueeze(-1)  # [*mb, 1|n_q, 1]
+    if not bool(c.any()):
+        return attn_mask
+    return attn_mask - torch.where(c <= DOMINANT_MASK, 0.0, c)
 
 
 def _triton_path(query: Tensor, value: Tensor, attn_mask, U_q, U_k) -> bool:
