@@ -44,6 +44,15 @@ the extra query column. A row whose sum still falls below :math:`2^{-60}`
 recomputed, with its batch element, by the online softmax
 (:func:`_chunk_online`, the fallback).
 
+**Masks.** A float mask enters each row relative to the row's largest
+visible entry (exact, a row constant; ``_validate.mask_row_max``,
+skipped when every row's is 0), so a large finite mask does not round the
+scores away; a row whose largest entry is at most ``-2**120``
+(``finfo.min``) keeps its mask alone, SDPA's result there (the average of
+the values it sees). Grouped-query attention: batch element ``b`` reads key
+row ``b // g`` (``_kv_rows``), and the key-side gradients of a chunk are
+added to the key heads it read.
+
 **The row sum from the output's product.** The values carry a column of
 ones, so ``P @ [V | 1]`` gives the unnormalised output and the row sum in one
 product; in the backward, ``[dO | -D] @ [V | 1]^T`` gives
@@ -563,8 +572,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch, kv_group=1,
-                mask_rows=None):
+    def forward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch, kv_group, mask_rows):
         Bf, n_q, d = q.shape
         n_k, dv = k.shape[1], v.shape[2]
         rk = Uk.shape[-1] if Uk is not None else 0

@@ -41,6 +41,12 @@ result is deterministic). The products use ``input_precision="ieee"`` (no
 TF32): the expanded distance cancels terms of size :math:`|q|^2`. Inputs of
 float16/bfloat16 are loaded, computed in float32 and stored in their dtype.
 
+Masks follow the rule of the CPU operator: a float mask enters each row
+relative to the row's largest visible entry, and a row whose largest entry is
+at most ``-2**120`` (``finfo.min``) keeps its mask alone (SDPA's row
+average). Grouped-query attention reads key head ``b // g`` for query head
+``b``; the key/value kernel of a key head sums over its ``g`` query heads.
+
 Not here (the caller keeps the PyTorch operator for these): dropout, float64,
 a float mask that requires grad, double backward (raises, as the CPU
 operator does), head dimensions above 256.
@@ -222,15 +228,17 @@ def riemannian_attention_triton(query: Tensor, key: Tensor, value: Tensor, attn_
 class _TritonAttentionFn(torch.autograd.Function):
     """Forward and backward on the Triton kernels; inputs flattened over the batch (Bf).
 
-    q (Bf, n_q, d), k (Bf, n_k, d), v (Bf, n_k, dv), lam (Bf,), Ukt (Bf, rk, n_k, d)
+    q (Bf, n_q, d), k (Bk, n_k, d), v (Bk, n_k, dv), lam (Bf,), Ukt (Bk, rk, n_k, d)
     or None, Uqt (Bf, rq, n_q, d) or None, mask (Mb, 1|n_q, 1|n_k) int8 (bool) or
-    float, with mask_ids (Bf,) int32, the mask row of every batch element.
+    float, with mask_ids (Bf,) int32, the mask row of every batch element, and
+    mask_rows (Mb, 1|n_q) float32 (a float mask's row offsets) or None;
+    ``group`` g: batch element ``b`` reads key row ``b // g`` (``Bk = Bf / g``).
     Saved for the backward: the inputs, the output and the row log-sum-exp
     (base 2, float32), nothing pairwise.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w, blocks, group=1):
+    def forward(ctx, q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w, blocks, group):
         Bf, n_q = q.shape[:2]
         dv = v.shape[2]
         out = torch.empty(Bf, n_q, dv, dtype=q.dtype, device=q.device)

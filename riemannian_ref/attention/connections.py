@@ -390,6 +390,14 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
 
     Notes
     -----
+    Under ``torch.autocast`` (inputs in mixed precisions) metric scores and
+    transports are computed in float32 and returned in the autocast dtype;
+    plain dot-product attention without transport is SDPA, run as autocast
+    runs it (inputs cast to the autocast dtype). A mask and ``is_causal``
+    reach SDPA as they are where SDPA applies the pair (torch 2.13 on CPU),
+    as the metric operator keeps them; elsewhere they are combined into one
+    mask.
+
     ``"trivial"`` calls the operator directly. ``"flat"`` moves everything to
     one frame: :math:`q_i \mapsto R_i^\top q_i`, :math:`k_j \mapsto R_j^\top k_j`,
     :math:`U \mapsto R^\top U` (so :math:`G_j \mapsto R_j^\top G_j R_j`),
