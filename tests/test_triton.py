@@ -200,6 +200,35 @@ def test_dispatch_rule(gen, monkeypatch):
     assert T.disabled_by_env() and functional._triton_disabled()
 
 
+def test_the_dispatch_call_site(gen, monkeypatch):
+    """riemannian_attention's own call of the kernels (CUDA tensors take it; here forced onto CPU tensors, in the
+    interpreter): half inputs, grouped-query views read in place, a finfo.min row, every gradient."""
+    monkeypatch.setattr(functional, "_triton_path", lambda *a: True)
+    seen = []
+    apply = T._TritonAttentionFn.apply
+    monkeypatch.setattr(T._TritonAttentionFn, "apply", lambda *a: seen.append(a[1].shape) or apply(*a))
+    q, k, v, _, _, Uk = make(gen, "key", nq=18, nk=18, h=4, r=1, dtype=torch.bfloat16)
+    k, v, Uk = k[:, :2], v[:, :2], Uk[:, :2]
+    lam = (torch.rand(4, generator=gen) + 0.5).bfloat16()
+    bias = torch.randn(1, 4, 18, 18, generator=gen).bfloat16()
+    bias[..., 5, :] = torch.finfo(torch.bfloat16).min
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, Uk)]
+    out = rr.riemannian_attention(*leaves[:3], bias, 0.0, True, U_k=leaves[3], lam=lam, enable_gqa=True)
+    assert seen == [torch.Size([2, 18, 16])] and out.dtype == torch.bfloat16  # B * h_kv key rows
+    w = torch.linspace(-1.0, 1.0, out.numel()).view(out.shape).bfloat16()  # the reference gets the same w
+    grads = torch.autograd.grad(out, leaves, w)
+    rep = [t.float().requires_grad_() for t in (q, k, v, Uk)]
+    ref = rr.riemannian_attention_reference(rep[0], *(t.repeat_interleave(2, 1) for t in rep[1:3]), bias.float(),
+                                            0.0, True, U_k=rep[3].repeat_interleave(2, 1), lam=lam.float())
+    grads_ref = torch.autograd.grad(ref, rep, w.float())
+    # the result's rounding (the interpreter may truncate: 1 ulp), and in the gradients rowsum(dO * O) from the
+    # output as stored in bfloat16
+    eps = torch.finfo(torch.bfloat16).eps
+    for a, b in zip((out, *grads), (ref, *grads_ref)):
+        assert a.dtype == torch.bfloat16
+        assert ((a.float() - b).abs() <= 2 * eps * (b.abs() + 1 + b.abs().max())).all()
+
+
 def test_blocks_shrink_when_the_gpu_lacks_resources():
     """A launch that runs out of shared memory is retried with the larger block halved, down to 16."""
     from triton.runtime.errors import OutOfResources

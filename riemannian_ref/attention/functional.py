@@ -192,10 +192,10 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
     if n_q == 0 or math.prod(batch) == 0:  # nothing to compute
         return riemannian_attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                               U_q=U_q, U_k=U_k, lam=lam_t, metric_side=metric_side)
-    if dropout_p == 0.0 and query.device.type == "cuda" and _triton_path(query, value, attn_mask, U_q, U_k):
+    if dropout_p == 0.0 and _triton_path(query, value, attn_mask, U_q, U_k):
         from . import _triton  # imports triton: only here, on first use
         return _triton.attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side,
-                                      per_q, per_k, batch)
+                                      per_q, per_k, batch, None, g)
     if query.dtype in (torch.float16, torch.bfloat16):  # half inputs: compute in float32, return their dtype
         out = _dispatch(*_f32(query, key, value, attn_mask), dropout_p, is_causal, scale, _f32(U_q), _f32(U_k),
                         _f32(lam_t), metric_side, per_q, per_k, batch, blocks, g)
@@ -268,8 +268,8 @@ def _relative_mask(attn_mask, is_causal: bool, n_q: int, n_k: int):
 
 
 def _triton_path(query: Tensor, value: Tensor, attn_mask, U_q, U_k) -> bool:
-    """Whether a (validated, CUDA) call runs on the Triton kernels: triton importable, not disabled, supported."""
-    if _triton_disabled():
+    """Whether a validated call runs on the Triton kernels: CUDA tensors, triton importable, not disabled, supported."""
+    if query.device.type != "cuda" or _triton_disabled():
         return False
     from . import _triton  # imports triton if installed (guarded: HAS_TRITON is False otherwise)
     return _triton.usable(query, value, attn_mask, U_q, U_k)
