@@ -423,6 +423,11 @@ def test_autocast_bf16_runs_in_float32(gen):
     # the float32 result rounded once to bfloat16: half an ulp of each entry
     eps = torch.finfo(torch.bfloat16).eps
     assert ((out.float() - ref).abs() <= 0.5 * eps * ref.abs() + 1e-6).all()
+    q64, k64, v64, _, Uk64, lam64 = make(gen, "key")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float64, which autocast leaves alone, stays float64
+        out64 = rr.riemannian_attention(q64, k64, v64, U_k=Uk64, lam=lam64)
+    torch.testing.assert_close(out64, rr.riemannian_attention_reference(q64, k64, v64, U_k=Uk64, lam=lam64),
+                               rtol=1e-12, atol=1e-12)
     out16 = rr.riemannian_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), U_k=Uk.bfloat16())
     assert out16.dtype == torch.bfloat16  # no autocast: computed in float32, returned in the input dtype
     ref16 = rr.riemannian_attention_reference(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(),

@@ -155,7 +155,7 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     Triton's interpreter against the dense reference; their speed on a GPU
     has not been measured.
     """
-    from ._validate import autocast_dtype, group_heads  # (local: the import lines above are shared)
+    from ._validate import autocast_dtype, group_heads
 
     dev = query.device.type if isinstance(query, Tensor) else "cpu"
     ac = autocast_dtype(dev)
@@ -163,13 +163,13 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         # autocast: the inputs may come in mixed precisions (the model's lam in float32, its queries in the
         # autocast dtype); computed in float32, returned in the autocast dtype as SDPA's result is. Float64
         # inputs, which autocast leaves alone, stay float64.
-        keep = isinstance(query, Tensor) and query.dtype == torch.float64
+        f64 = query.dtype == torch.float64
         with torch.autocast(dev, enabled=False):
-            up = (lambda *ts: ts if len(ts) > 1 else ts[0]) if keep else _f32
-            out = riemannian_attention(*up(query, key, value, attn_mask), dropout_p, is_causal, scale,
-                                       U_q=up(U_q), U_k=up(U_k), lam=up(lam), metric_side=metric_side,
-                                       enable_gqa=enable_gqa, block_sizes=block_sizes)
-        return out if keep else out.to(ac)
+            ins = (query, key, value, attn_mask, U_q, U_k, lam) if f64 else _f32(query, key, value, attn_mask, U_q,
+                                                                                   U_k, lam)
+            out = riemannian_attention(*ins[:4], dropout_p, is_causal, scale, U_q=ins[4], U_k=ins[5], lam=ins[6],
+                                       metric_side=metric_side, enable_gqa=enable_gqa, block_sizes=block_sizes)
+        return out if f64 else out.to(ac)
     g = 1
     if enable_gqa:  # views: the batch [..., h_q] becomes [..., h_kv, g], the key side [..., h_kv, 1]
         g, query, key, value, attn_mask, U_q, U_k, lam = group_heads(query, key, value, attn_mask, U_q, U_k, lam)
