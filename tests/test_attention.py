@@ -192,6 +192,25 @@ def test_masked_rows_give_sdpa_result(gen, fn, kind, dtype):
         assert (out[0, :, 2] == 0).all()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_finite_masks_keep_the_scores(gen, causal):
+    """Float masks enter each row relative to its largest visible entry, so a row at -1e9 (an older masking
+    value; the ulp of 1e9 in float32 is 64) or a causal row seeing one key at -1e30 keeps its scores in float32:
+    the float64 result, to float32 precision, forward and backward."""
+    q, k, v, _, Uk, lam = make(gen, "key", nq=6, nk=6, dtype=torch.float32)
+    bias = torch.randn(2, 1, 6, 6, generator=gen)
+    bias[:, :, 2] -= 1e9  # a whole row far below 0
+    bias[:, :, :, 0] = -1e30 if causal else bias[:, :, :, 0]  # causal row 0 sees only this key
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, Uk)]
+    out = rr.riemannian_attention(*leaves[:3], bias, 0.0, causal, U_k=leaves[3], lam=lam, block_sizes=(2, 3))
+    rep = [t.double().requires_grad_() for t in (q, k, v, Uk)]
+    ref = rr.riemannian_attention_reference(*rep[:3], bias.double(), 0.0, causal, U_k=rep[3], lam=lam.double())
+    w = torch.randn(out.shape, generator=gen, dtype=F64)
+    for a, b in zip((out, *torch.autograd.grad((out.double() * w).sum(), leaves)),
+                    (ref, *torch.autograd.grad((ref * w).sum(), rep))):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("fn", [rr.riemannian_attention, rr.riemannian_attention_reference,
                                 rr.blockwise_attention], ids=lambda f: f.__name__)
 def test_fully_masked_rows_take_large_upstream_gradients(gen, fn):

@@ -359,7 +359,8 @@ def _row_bound(q: Tensor, lam: Tensor, W: Tensor | None, s2: float, mask, n_q: i
     """Upper bound of every score of a row, base 2: ``s2/2 q_i^T M q_i`` plus the row's largest float-mask entry.
 
     ``mask`` is ``(m, rows)`` (see :func:`_tile`) or None. With row offsets the
-    mask enters relative to them, and a row that keeps its mask only (its
+    mask enters relative to them, the largest visible entry of each row, so it
+    adds at most 0 to a visible score; a row that keeps its mask only (its
     largest entry is at most ``DOMINANT_MASK``) is bounded by 0.
     """
     Mq = lam.view(-1, 1, 1) * q
@@ -368,12 +369,10 @@ def _row_bound(q: Tensor, lam: Tensor, W: Tensor | None, s2: float, mask, n_q: i
     b = (0.5 * s2) * (q * Mq).sum(-1)  # (cb, n_q)
     if mask is not None and mask[0].dtype != torch.bool:
         m, rows = mask
+        if rows is not None:
+            return torch.where(rows[..., 0] <= DOMINANT_MASK, 0.0, b)  # rows (cb|1, 1|n_q, 1)
         mmax = m.amax(-1)  # (cb|1, 1|n_q); -inf on rows that see no key
-        if rows is None:
-            return b + _LOG2E * mmax.masked_fill(torch.isneginf(mmax), 0.0)
-        c = rows[..., 0]  # (cb|1, 1|n_q); relative to it, the maximum is 0 (more only for causally hidden keys)
-        rel = (mmax - c).masked_fill(torch.isneginf(mmax), 0.0)
-        b = torch.where(c <= DOMINANT_MASK, 0.0, b + _LOG2E * rel)
+        b = b + _LOG2E * mmax.masked_fill(torch.isneginf(mmax), 0.0)
     return b
 
 
