@@ -281,3 +281,21 @@ def test_compiled_module_runs_and_matches():
     ref.sum().backward()
     torch.testing.assert_close(g, m.w_q.grad)
     assert g.abs().max() > 0
+
+
+@pytest.mark.parametrize("scores, connection", [("metric", "trivial"), ("metric", "flat"), ("metric", "content"),
+                                                ("dot", "trivial"), ("dot", "flat")])
+def test_a_float32_mask_under_autocast(scores, connection):
+    """Regression: under autocast a float32 attn_mask (and the module's float32 lam) next to the autocast
+    queries was refused; now the module runs, returns the autocast dtype and stays within a few bfloat16
+    epsilons of the float32 module."""
+    torch.manual_seed(7)
+    m = rr.RiemannianAttention(cfg(scores=scores, connection=connection, causal=True))
+    x = torch.randn(2, 8, 16)
+    bias = 0.5 * torch.randn(2, 1, 8, 8)
+    ref, _ = m(x, attn_mask=bias)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = m(x, attn_mask=bias)
+    assert out.dtype == torch.bfloat16
+    eps = torch.finfo(torch.bfloat16).eps
+    assert (out.float() - ref).abs().max() <= 8 * eps * ref.abs().max()
