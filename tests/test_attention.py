@@ -145,6 +145,72 @@ def test_fully_masked_rows_have_zero_output_and_finite_gradients(gen, side):
     assert (q.grad[..., 0, :] != 0).any()
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("kind", ["bool", "finfo_min", "-inf", "padding+causal"])
+@pytest.mark.parametrize("fn", [rr.riemannian_attention, rr.riemannian_attention_reference], ids=lambda f: f.__name__)
+def test_masked_rows_give_sdpa_result(gen, fn, kind, dtype):
+    """One rule for masked rows, SDPA's for the same call: a bool row of False and a row of -inf give 0, a row of
+    torch.finfo(dtype).min the average of its values (SDPA's s + m rounds to m); values and gradients (the mask's
+    too), no NaN anywhere. With G = I, Riemannian attention is SDPA with the key bias -scale |k_j|^2 / 2."""
+    n, d = 7, 4
+    q, k, v = (torch.randn(2, 3, n, d, generator=gen, dtype=dtype) for _ in range(3))
+    low = torch.finfo(dtype).min
+    causal = kind == "padding+causal"
+    if kind == "bool":
+        mask = torch.rand(2, 1, n, n, generator=gen) > 0.3
+        mask[..., 0] = True
+        mask[0, :, 2] = False  # a row that sees no key
+        sd_mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+    elif kind == "padding+causal":  # left padding in transformers' convention, compact [B, 1, 1, n]
+        mask = torch.zeros(2, 1, 1, n, dtype=dtype)
+        mask[0, ..., :3] = low  # sequence 0: causal rows 0..2 see only padding
+    else:
+        mask = torch.randn(2, 1, n, n, generator=gen, dtype=dtype)
+        mask[0, :, 2] = low if kind == "finfo_min" else float("-inf")
+        mask[1, :, 4, :3], mask[1, :, 4, 3:] = low, float("-inf")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    m = mask.clone().requires_grad_() if mask.is_floating_point() else mask
+    out = fn(*leaves, m, 0.0, causal, lam=1.0)
+    sd_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sm = mask.clone().requires_grad_() if m is not mask else mask
+    sd_mask = sm if sm.is_floating_point() else torch.zeros(sm.shape, dtype=dtype).masked_fill(~sm, float("-inf"))
+    if causal:  # SDPA takes a mask or is_causal: the causal part as -inf
+        sd_mask = sd_mask + torch.zeros(n, n, dtype=dtype).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(),
+                                                                       float("-inf"))
+    bias = -(0.5 / math.sqrt(d)) * (sd_leaves[1] * sd_leaves[1]).sum(-1).unsqueeze(-2)
+    sd = F.scaled_dot_product_attention(*sd_leaves, sd_mask + bias)
+    w = torch.randn(out.shape, generator=gen, dtype=dtype)
+    ours = (out, *torch.autograd.grad((out * w).sum(), leaves + ([m] if m is not mask else [])))
+    theirs = (sd, *torch.autograd.grad((sd * w).sum(), sd_leaves + ([sm] if m is not mask else [])))
+    tol = 1e-12 if dtype == F64 else 2e-5
+    for a, b in zip(ours, theirs):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    if kind == "finfo_min":
+        torch.testing.assert_close(out[0, :, 2], v[0].mean(-2), rtol=tol, atol=tol)  # the row average
+    if kind in ("bool", "-inf"):
+        assert (out[0, :, 2] == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_finite_masks_keep_the_scores(gen, causal):
+    """Float masks enter each row relative to its largest visible entry, so a row at -1e9 (an older masking
+    value; the ulp of 1e9 in float32 is 64) or a causal row seeing one key at -1e30 keeps its scores in float32:
+    the float64 result, to float32 precision, forward and backward."""
+    q, k, v, _, Uk, lam = make(gen, "key", nq=6, nk=6, dtype=torch.float32)
+    bias = torch.randn(2, 1, 6, 6, generator=gen)
+    bias[:, :, 2] -= 1e9  # a whole row far below 0
+    bias[:, :, :, 0] = -1e30 if causal else bias[:, :, :, 0]  # causal row 0 sees only this key
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, Uk)]
+    out = rr.riemannian_attention(*leaves[:3], bias, 0.0, causal, U_k=leaves[3], lam=lam, block_sizes=(2, 3))
+    rep = [t.double().requires_grad_() for t in (q, k, v, Uk)]
+    ref = rr.riemannian_attention_reference(*rep[:3], bias.double(), 0.0, causal, U_k=rep[3], lam=lam.double())
+    w = torch.randn(out.shape, generator=gen, dtype=F64)
+    for a, b in zip((out, *torch.autograd.grad((out.double() * w).sum(), leaves)),
+                    (ref, *torch.autograd.grad((ref * w).sum(), rep))):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("fn", [rr.riemannian_attention, rr.riemannian_attention_reference,
                                 rr.blockwise_attention], ids=lambda f: f.__name__)
 def test_fully_masked_rows_take_large_upstream_gradients(gen, fn):
@@ -367,17 +433,49 @@ def test_dropout_goes_through_the_reference_path(gen):
 
 
 def test_autocast_bf16_runs_in_float32(gen):
+    """Under autocast mixed inputs are computed in float32 and returned in the autocast dtype, as SDPA's."""
     q, k, v, _, Uk, lam = make(gen, "key", dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = rr.riemannian_attention(q.bfloat16(), k, v, U_k=Uk, lam=lam.bfloat16())
-    assert out.dtype == torch.float32
+        assert F.scaled_dot_product_attention(q, k, v).dtype == out.dtype == torch.bfloat16
     ref = rr.riemannian_attention_reference(q.bfloat16().float(), k, v, U_k=Uk, lam=lam.bfloat16().float())
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # the float32 result rounded once to bfloat16: half an ulp of each entry
+    eps = torch.finfo(torch.bfloat16).eps
+    assert ((out.float() - ref).abs() <= 0.5 * eps * ref.abs() + 1e-6).all()
+    q64, k64, v64, _, Uk64, lam64 = make(gen, "key")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float64, which autocast leaves alone, stays float64
+        out64 = rr.riemannian_attention(q64, k64, v64, U_k=Uk64, lam=lam64)
+    torch.testing.assert_close(out64, rr.riemannian_attention_reference(q64, k64, v64, U_k=Uk64, lam=lam64),
+                               rtol=1e-12, atol=1e-12)
     out16 = rr.riemannian_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), U_k=Uk.bfloat16())
     assert out16.dtype == torch.bfloat16  # no autocast: computed in float32, returned in the input dtype
     ref16 = rr.riemannian_attention_reference(q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(),
                                               U_k=Uk.bfloat16().float())
     torch.testing.assert_close(out16.float(), ref16, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dropout_with_half_inputs_computes_in_float32(gen, monkeypatch, dtype):
+    """Regression: with dropout_p > 0 half-precision inputs ran the dense path in their own dtype (the dropout
+    branch came before the upcast); the error against float64 rose 3x even at dropout_p = 1e-7. Now every branch
+    computes in float32: one dropout mask, fixed, applied to a float32 A, and the result within half an ulp of the
+    output dtype of the float64 computation on the same rounded inputs."""
+    q, k, v, Uq, Uk, lam = make(gen, "mean", nq=16, nk=16, d=8)
+    q, k, v, Uq, Uk, lam = [t.to(dtype) for t in (3.0 * q, 3.0 * k, v, Uq, Uk, lam)]  # |q| ~ 3: cancellation
+    keep = torch.rand(2, 2, 16, 16, generator=gen) > 0.3
+    seen = []
+
+    def fixed_dropout(A, p=0.5, training=True, inplace=False):
+        seen.append(A.dtype)
+        return A * keep.to(A.dtype) / (1.0 - p)
+
+    monkeypatch.setattr(torch.nn.functional, "dropout", fixed_dropout)
+    out = rr.riemannian_attention(q, k, v, None, 0.3, U_q=Uq, U_k=Uk, lam=lam, metric_side="mean")
+    assert out.dtype == dtype and seen == [torch.float32]
+    ref = rr.riemannian_attention_reference(*(t.double() for t in (q, k, v)), None, 0.3, U_q=Uq.double(),
+                                            U_k=Uk.double(), lam=lam.double(), metric_side="mean")
+    eps = torch.finfo(dtype).eps
+    assert ((out.double() - ref).abs() <= 0.5 * eps * ref.abs() + 1e-5).all()
 
 
 # ------------------------------------------------------------------ grouped-query attention
@@ -412,6 +510,34 @@ def test_gqa_equals_explicitly_repeated_kv_heads(gen, factor):
         torch.testing.assert_close(one, sd, rtol=1e-12, atol=1e-12)
 
 
+def test_gqa_reads_key_heads_in_place_lam_per_key_head_and_masks(gen, monkeypatch):
+    """No repeat of the key side: the operator gets B * h_kv key rows; lam per key head ([h_kv]) is the same as
+    lam repeated per query head; a mask with h_q heads and a 2-D mask work; float64, every gradient."""
+    B, hq, hk, n, d = 2, 6, 2, 9, 4
+    q = torch.randn(B, hq, n, d, generator=gen, dtype=F64)
+    k = torch.randn(B, hk, n, d, generator=gen, dtype=F64)
+    v = torch.randn(B, hk, n, 3, generator=gen, dtype=F64)
+    Uk = torch.randn(B, hk, n, d, 2, generator=gen, dtype=F64)
+    lam = torch.rand(hk, generator=gen, dtype=F64) + 0.5
+    bias = torch.randn(B, hq, n, n, generator=gen, dtype=F64)
+    seen = []
+    apply = functional._RiemannianAttentionFn.apply
+    monkeypatch.setattr(functional._RiemannianAttentionFn, "apply", lambda *a: seen.append(a[1].shape) or apply(*a))
+    for mask in (bias, bias[0, 0] > 0):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, Uk, lam)]
+        out = rr.riemannian_attention(*leaves[:3], mask, 0.0, True, U_k=leaves[3], lam=leaves[4], enable_gqa=True,
+                                      block_sizes=(4, 3))
+        rep = [t.clone().requires_grad_() for t in (q, k, v, Uk, lam)]
+        ref = rr.riemannian_attention_reference(rep[0], rep[1].repeat_interleave(3, 1), rep[2].repeat_interleave(3, 1),
+                                                mask, 0.0, True, U_k=rep[3].repeat_interleave(3, 1),
+                                                lam=rep[4].repeat_interleave(3))
+        w = torch.randn(out.shape, generator=gen, dtype=F64)
+        for a, b in zip((out, *torch.autograd.grad((out * w).sum(), leaves)),
+                        (ref, *torch.autograd.grad((ref * w).sum(), rep))):
+            torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-12)
+    assert seen == [torch.Size([B * hk, n, d])] * 2  # the key heads as they are, never B * h_q rows
+
+
 def test_gqa_errors(gen):
     q = torch.randn(2, 6, 5, 4, generator=gen)
     k = torch.randn(2, 4, 5, 4, generator=gen)
@@ -419,6 +545,15 @@ def test_gqa_errors(gen):
         rr.riemannian_attention(q, k, k, enable_gqa=True)
     with pytest.raises(ValueError, match=r"enable_gqa=True needs query of shape \[..., heads, n, d\]"):
         rr.riemannian_attention(q[0, 0], k[0, 0], k[0, 0], enable_gqa=True)
+    k2 = k[:, :2]
+    with pytest.raises(ValueError, match=r"U_k must have 5 dims .* or 4 dims"):  # was an IndexError
+        rr.riemannian_attention(q, k2, k2, U_k=torch.randn(4, 2), enable_gqa=True)
+    with pytest.raises(ValueError, match=r"lam must have 6 or 2 or 1 heads"):
+        rr.riemannian_attention(q, k2, k2, lam=torch.ones(3), enable_gqa=True)
+    with pytest.raises(ValueError, match=r"attn_mask must have 6 or 1 heads"):
+        rr.riemannian_attention(q, k2, k2, torch.zeros(2, 2, 5, 5), enable_gqa=True)
+    with pytest.raises(ValueError, match=r"U_q must have 6 or 1 heads"):
+        rr.riemannian_attention(q, k2, k2, U_q=torch.randn(2, 2, 5, 4, 1), metric_side="query", enable_gqa=True)
 
 
 # ------------------------------------------------------------------ block sizes, tiles

@@ -95,15 +95,17 @@ def test_opcheck(gen):
         return torch.randn(*shape, generator=gen, dtype=F64).requires_grad_(grad)
 
     lam = (torch.rand(Bf, generator=gen, dtype=F64) + 0.5).requires_grad_()
-    common = (d ** -0.5, 0.3, 0.3, [4, 4], [Bf])
+    common = (d ** -0.5, 0.3, 0.3, [4, 4], [Bf], 1)  # ..., blocks, batch, kv_group
     op = torch.ops.riemannian_ref.attention.default
-    # per-token U_k and a float mask with grad; shared W, per-token U_q and causal; a bool mask, no factors
+    # per-token U_k and a float mask with grad (with its row offsets); shared W, per-token U_q and causal;
+    # a bool mask, no factors
+    mask = t(1, n, n)
     torch.library.opcheck(op, (t(Bf, n, d), t(Bf, n, d), t(Bf, n, d), lam, None, t(Bf, n, d, r), None,
-                               t(1, n, n), False, *common))
+                               mask, False, *common, mask.detach().amax(-1)))
     torch.library.opcheck(op, (t(Bf, n, d), t(Bf, n, d), t(Bf, n, d), lam, t(Bf, d, 1), None, t(Bf, n, d, r),
-                               None, True, *common))
+                               None, True, *common, None))
     torch.library.opcheck(op, (t(Bf, n, d), t(Bf, n, d), t(Bf, n, d), lam, None, None, None,
-                               torch.rand(Bf, 1, n, generator=gen) > 0.2, False, *common))
+                               torch.rand(Bf, 1, n, generator=gen) > 0.2, False, *common, None))
 
 
 def test_compiled_function_fullgraph_inductor_matches_eager_and_reference(gen):
@@ -157,3 +159,31 @@ def test_compiled_value_check_becomes_an_assertion_in_the_graph(gen):
     torch.testing.assert_close(compiled(q, torch.tensor(2.0)), fn(q, torch.tensor(2.0)))
     with pytest.raises(RuntimeError, match="lam must be finite and > 0"):
         compiled(q, torch.tensor(-1.0))
+
+
+def test_compiled_gqa_with_a_float_mask_matches_the_reference(gen):
+    """Grouped-query heads and a float mask whose rows are offset by their maxima, traced with fullgraph=True."""
+    B, hq, hk, n, d, r = 2, 4, 2, 9, 4, 2
+    q = torch.randn(B, hq, n, d, generator=gen, dtype=F64)
+    k, v = (torch.randn(B, hk, n, d, generator=gen, dtype=F64) for _ in range(2))
+    U = 0.3 * torch.randn(B, hk, n, d, r, generator=gen, dtype=F64)
+    mask = torch.randn(B, 1, n, n, generator=gen, dtype=F64)
+    mask[1, ..., :3] = torch.finfo(F64).min  # padding as transformers writes it
+
+    def fn(q, k, v, U):
+        return rr.riemannian_attention(q, k, v, mask, is_causal=True, U_k=U, lam=0.8, enable_gqa=True)
+
+    graphs = []
+    compiled = torch.compile(fn, fullgraph=True, backend=_recording("aot_eager", graphs))
+    xs = [x.clone().requires_grad_() for x in (q, k, v, U)]
+    out = compiled(*xs)
+    grads = torch.autograd.grad(out.square().sum(), xs)
+    ys = [x.clone().requires_grad_() for x in (q, k, v, U)]
+    g = hq // hk
+    ref = rr.riemannian_attention_reference(ys[0], ys[1].repeat_interleave(g, 1), ys[2].repeat_interleave(g, 1),
+                                            mask, is_causal=True, U_k=ys[3].repeat_interleave(g, 1), lam=0.8)
+    ref_grads = torch.autograd.grad(ref.square().sum(), ys)
+    assert _has_op(graphs)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)

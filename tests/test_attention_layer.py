@@ -219,6 +219,39 @@ def test_key_mask_reaches_the_operator_per_key_and_equals_a_dense_mask(monkeypat
         torch.testing.assert_close(out2[b, others], out[b, others], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("scores", ["metric", "dot"])
+def test_baseline_and_method_take_the_same_mask_path(monkeypatch, scores):
+    """Padding + causal: the dot-product baseline hands SDPA the per-key mask [B, 1, 1, n] and is_causal, as the
+    metric path hands its operator (it built a dense [B, 1, n, n] float mask for SDPA), with the same result as
+    that dense mask; rows that see only padding give 0 on both."""
+    from riemannian_ref.attention import connections
+
+    if not connections._sdpa_takes_mask_and_causal(torch.device("cpu")):
+        pytest.skip("this torch's SDPA does not apply attn_mask and is_causal together: the pair is combined")
+    torch.manual_seed(6)
+    B, n = 2, 9
+    m = rr.RiemannianAttention(cfg(scores=scores, causal=True)).double()
+    x = torch.randn(B, n, 16, dtype=F64)
+    keep = torch.ones(B, n, dtype=torch.bool)
+    keep[0, :3] = False  # left padding: causal rows 0..2 of sequence 0 see no key
+    seen = []
+    if scores == "dot":
+        sdpa = F.scaled_dot_product_attention
+        monkeypatch.setattr(F, "scaled_dot_product_attention",
+                            lambda *a, **kw: seen.append((kw["attn_mask"].shape, kw["is_causal"])) or sdpa(*a, **kw))
+    else:
+        apply = functional._RiemannianAttentionFn.apply
+        monkeypatch.setattr(functional._RiemannianAttentionFn, "apply",
+                            lambda *a: seen.append((a[7].shape, a[8])) or apply(*a))
+    out, _ = m(x, key_mask=keep)
+    assert seen == [((B, 1, 1, n), True)]
+    dense = keep.view(B, 1, 1, n) & torch.ones(n, n, dtype=torch.bool).tril()
+    ref, _ = m(x, attn_mask=dense, is_causal=False, return_weights=True)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[0, :3], m.out_proj.bias.expand(3, 16) if m.out_proj.bias is not None
+                               else torch.zeros(3, 16, dtype=F64))
+
+
 def test_key_mask_with_a_float_attn_mask():
     torch.manual_seed(5)
     m = rr.RiemannianAttention(cfg()).double()
@@ -248,3 +281,21 @@ def test_compiled_module_runs_and_matches():
     ref.sum().backward()
     torch.testing.assert_close(g, m.w_q.grad)
     assert g.abs().max() > 0
+
+
+@pytest.mark.parametrize("scores, connection", [("metric", "trivial"), ("metric", "flat"), ("metric", "content"),
+                                                ("dot", "trivial"), ("dot", "flat")])
+def test_a_float32_mask_under_autocast(scores, connection):
+    """Regression: under autocast a float32 attn_mask (and the module's float32 lam) next to the autocast
+    queries was refused; now the module runs, returns the autocast dtype and stays within a few bfloat16
+    epsilons of the float32 module."""
+    torch.manual_seed(7)
+    m = rr.RiemannianAttention(cfg(scores=scores, connection=connection, causal=True))
+    x = torch.randn(2, 8, 16)
+    bias = 0.5 * torch.randn(2, 1, 8, 8)
+    ref, _ = m(x, attn_mask=bias)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = m(x, attn_mask=bias)
+    assert out.dtype == torch.bfloat16
+    eps = torch.finfo(torch.bfloat16).eps
+    assert (out.float() - ref).abs().max() <= 8 * eps * ref.abs().max()

@@ -311,3 +311,30 @@ def test_load_refuses_foreign_or_mismatched_files(tmp_path):
                 "state_dict": {}}, tmp_path / "unknown.pt")
     with pytest.raises(ValueError, match=r"unknown fields \['depth'\]"):
         rr.FiberBundleTransformer.load(tmp_path / "unknown.pt")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_runs_under_autocast_like_the_float32_model(gen, mode, dtype):
+    """Float32 weights and int inputs under torch.autocast (the usual mixed precision): every mode runs, forward
+    and backward, and stays within a few epsilons of the low dtype of the float32 model (regression: the metric
+    modes refused the model's float32 lam next to the autocast queries). The attention computes in float32 and
+    returns the autocast dtype, as SDPA does."""
+    model = _model(dtype=torch.float32, mode=mode).train()
+    idx = _idx(gen, n=16)
+    key_mask = torch.ones(B, 16, dtype=torch.bool)
+    key_mask[1, 12:] = False  # padding, with the models' causal mask
+    ref = model(idx, idx, key_mask=key_mask)
+    grads_ref = torch.autograd.grad(ref.loss, list(model.parameters()))
+    with torch.autocast("cpu", dtype=dtype):
+        out = model(idx, idx, key_mask=key_mask)
+        h = model.blocks[0].attn(model._embed(idx, None))[0]
+    assert out.logits.dtype == h.dtype == dtype
+    grads = torch.autograd.grad(out.loss, list(model.parameters()))
+    eps = torch.finfo(dtype).eps
+    err = (out.logits.float() - ref.logits).abs().max() / ref.logits.abs().max()
+    assert err <= 4 * eps, f"logits off by {err / eps:.1f} eps"
+    for (name, p), a, b in zip(model.named_parameters(), grads, grads_ref):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all(), name
+        if b.norm() > 0:  # measured: below 2 eps for bfloat16, 7 eps for float16
+            assert (a - b).norm() <= 16 * eps * b.norm(), f"{name}: {((a - b).norm() / b.norm() / eps):.1f} eps"

@@ -126,13 +126,50 @@ def test_half_inputs_compute_in_float32_and_keep_their_dtype(gen, dtype):
         torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol * b.abs().max().item())
 
 
-def test_gqa_entry_point(gen):
-    q, k, v, lam, _, Uk = make(gen, "key", nq=16, nk=16, h=4)
+def test_finfo_min_rows_follow_sdpa(gen):
+    """Rows masked with torch.finfo(dtype).min (transformers' convention) give SDPA's result, the average of the
+    values they see, with the reference's gradients (they were 0 here, NaN on the CPU operator); -inf rows 0."""
+    ins = make(gen, "key", B=2, nq=20, nk=18, r=1)
+    low = torch.finfo(torch.float32).min
+    bias = torch.randn(2, 1, 20, 18, generator=gen)
+    bias[:, :, 3] = low  # every key at finfo.min
+    bias[:, :, 5, :7], bias[:, :, 5, 7:] = low, float("-inf")  # finfo.min on the first 7 keys, the rest removed
+    bias[:, :, 9] = float("-inf")  # no key at all
+    out, *grads = check_against_reference(ins, bias, False, "key")
+    v = ins[2]
+    torch.testing.assert_close(out[..., 3, :], v.mean(-2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[..., 5, :], v[..., :7, :].mean(-2), rtol=1e-5, atol=1e-5)
+    assert (out[..., 9, :] == 0).all() and all(torch.isfinite(g).all() for g in grads)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(ins[0], ins[1], v, bias)  # the same masking
+    torch.testing.assert_close(out[..., (3, 5, 9), :], sdpa[..., (3, 5, 9), :], rtol=1e-5, atol=1e-5)
+    pad = torch.zeros(2, 1, 1, 18)
+    pad[0, ..., :4] = low  # left padding with finfo.min and causal rows: rows 0..3 of sequence 0 see only padding
+    check_against_reference(ins, pad, True, "key")
+
+
+def test_gqa_reads_the_key_heads_without_repeating_them(gen, monkeypatch):
+    """enable_gqa: the kernels get the key heads as they are (key head b // g), per-token factors and lam per
+    key head; outputs and every gradient equal the reference with the heads repeated."""
+    q, k, v, _, _, Uk = make(gen, "key", B=2, nq=20, nk=20, h=4, r=2)
     k, v, Uk = k[:, :2], v[:, :2], Uk[:, :2]
-    out = T.riemannian_attention_triton(q, k, v, U_k=Uk, lam=lam, enable_gqa=True)  # default blocks
-    ref = rr.riemannian_attention_reference(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                            U_k=Uk.repeat_interleave(2, 1), lam=lam)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    lam = torch.rand(2, generator=gen) + 0.5  # per key head
+    keep = key_padding(gen, 2, 20)
+    seen = []
+    apply = T._TritonAttentionFn.apply
+    monkeypatch.setattr(T._TritonAttentionFn, "apply", lambda *a: seen.append(a[1].shape) or apply(*a))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, Uk, lam)]
+    out = T.riemannian_attention_triton(*leaves[:3], keep, is_causal=True, U_k=leaves[3], lam=leaves[4],
+                                        enable_gqa=True, block_sizes=BLOCKS)
+    assert seen == [torch.Size([2 * 2, 20, 16])]  # B * h_kv key rows, not B * h_q
+    w = torch.linspace(-1.0, 1.0, out.numel()).view(out.shape)
+    grads = torch.autograd.grad(out, leaves, w)
+    rep = [t.clone().requires_grad_() for t in (q, k, v, Uk, lam)]
+    ref = rr.riemannian_attention_reference(rep[0], rep[1].repeat_interleave(2, 1), rep[2].repeat_interleave(2, 1),
+                                            keep, is_causal=True, U_k=rep[3].repeat_interleave(2, 1),
+                                            lam=rep[4].repeat_interleave(2))
+    grads_ref = torch.autograd.grad(ref, rep, w)
+    for a, b in zip((out, *grads), (ref, *grads_ref)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
 
 
 def test_unsupported_cases_are_refused_clearly(gen):
@@ -161,6 +198,35 @@ def test_dispatch_rule(gen, monkeypatch):
     rr.riemannian_attention(q, k, v, U_k=Uk, lam=lam)
     monkeypatch.setenv("RR_DISABLE_TRITON", "1")
     assert T.disabled_by_env() and functional._triton_disabled()
+
+
+def test_the_dispatch_call_site(gen, monkeypatch):
+    """riemannian_attention's own call of the kernels (CUDA tensors take it; here forced onto CPU tensors, in the
+    interpreter): half inputs, grouped-query views read in place, a finfo.min row, every gradient."""
+    monkeypatch.setattr(functional, "_triton_path", lambda *a: True)
+    seen = []
+    apply = T._TritonAttentionFn.apply
+    monkeypatch.setattr(T._TritonAttentionFn, "apply", lambda *a: seen.append(a[1].shape) or apply(*a))
+    q, k, v, _, _, Uk = make(gen, "key", nq=18, nk=18, h=4, r=1, dtype=torch.bfloat16)
+    k, v, Uk = k[:, :2], v[:, :2], Uk[:, :2]
+    lam = (torch.rand(4, generator=gen) + 0.5).bfloat16()
+    bias = torch.randn(1, 4, 18, 18, generator=gen).bfloat16()
+    bias[..., 5, :] = torch.finfo(torch.bfloat16).min
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, Uk)]
+    out = rr.riemannian_attention(*leaves[:3], bias, 0.0, True, U_k=leaves[3], lam=lam, enable_gqa=True)
+    assert seen == [torch.Size([2, 18, 16])] and out.dtype == torch.bfloat16  # B * h_kv key rows
+    w = torch.linspace(-1.0, 1.0, out.numel()).view(out.shape).bfloat16()  # the reference gets the same w
+    grads = torch.autograd.grad(out, leaves, w)
+    rep = [t.float().requires_grad_() for t in (q, k, v, Uk)]
+    ref = rr.riemannian_attention_reference(rep[0], *(t.repeat_interleave(2, 1) for t in rep[1:3]), bias.float(),
+                                            0.0, True, U_k=rep[3].repeat_interleave(2, 1), lam=lam.float())
+    grads_ref = torch.autograd.grad(ref, rep, w.float())
+    # the result's rounding (the interpreter may truncate: 1 ulp), and in the gradients rowsum(dO * O) from the
+    # output as stored in bfloat16
+    eps = torch.finfo(torch.bfloat16).eps
+    for a, b in zip((out, *grads), (ref, *grads_ref)):
+        assert a.dtype == torch.bfloat16
+        assert ((a.float() - b).abs() <= 2 * eps * (b.abs() + 1 + b.abs().max())).all()
 
 
 def test_blocks_shrink_when_the_gpu_lacks_resources():

@@ -44,6 +44,15 @@ the extra query column. A row whose sum still falls below :math:`2^{-60}`
 recomputed, with its batch element, by the online softmax
 (:func:`_chunk_online`, the fallback).
 
+**Masks.** A float mask enters each row relative to the row's largest
+visible entry (exact, a row constant; ``_validate.mask_row_max``,
+skipped when every row's is 0), so a large finite mask does not round the
+scores away; a row whose largest entry is at most ``-2**120``
+(``finfo.min``) keeps its mask alone, SDPA's result there (the average of
+the values it sees). Grouped-query attention: batch element ``b`` reads key
+row ``b // g`` (``_kv_rows``), and the key-side gradients of a chunk are
+added to the key heads it read.
+
 **The row sum from the output's product.** The values carry a column of
 ones, so ``P @ [V | 1]`` gives the unnormalised output and the row sum in one
 product; in the backward, ``[dO | -D] @ [V | 1]^T`` gives
@@ -72,6 +81,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
+
+from ._validate import DOMINANT_MASK
 
 __all__: list[str] = []  # private: called by riemannian_ref.attention.functional
 
@@ -208,8 +219,14 @@ def _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, mask_scale, causal, i0, i1, j0, j1,
     ``qa_b`` is the query block with ``[1, -o_i]`` appended, so the scores ``S``
     (cb, bq, bk), the view ``X[:, :, 0]`` (rows of stride ``(1 + rk) bk``),
     come out of the product already shifted by the row offset, and are updated
-    in place: the tile is never copied. ``mask`` is the chunk's mask
-    [cb or 1, 1 or n_q, 1 or n_k] (bool, or float added times ``mask_scale``).
+    in place: the tile is never copied. ``mask`` is the chunk's mask and
+    row offsets ``(m, rows)``: ``m`` [cb or 1, 1 or n_q, 1 or n_k] bool, or
+    float added times ``mask_scale``; for a float mask ``rows``
+    [cb or 1, 1 or n_q, 1] (or None: all 0) is every row's largest visible
+    entry, subtracted from the row first (exact: a row constant), and a row
+    whose largest entry is at most ``DOMINANT_MASK`` keeps its mask only,
+    ``m - rows`` plus the row's offset (the query's last column): the scores
+    vanish next to such a mask, as they do when SDPA adds it.
     ``xbuf`` and ``ybuf`` (flat, at least one tile long) receive the products:
     one allocation per call, not one per tile (large allocations that are
     freed and made again cost page faults).
@@ -226,16 +243,23 @@ def _tile(qa_b, Kt, Qa, kta_b, rk, rq, mask, mask_scale, causal, i0, i1, j0, j1,
         Y = Y.view(cb, nb, rq, mb)  # U_i^T k_j for the query side
         for y in Y.unbind(2):
             S.addcmul_(y, y, value=-1.0)
+    if mask is not None:
+        m, mrows = mask
+        m = _mask_tile(m, i0, i1, j0, j1)
+        if m.dtype == torch.bool:
+            S.masked_fill_(~m, _NEG_INF)
+        elif mrows is None:
+            S.add_(m, alpha=mask_scale)
+        else:
+            c = mrows[:, i0:i1] if mrows.shape[1] > 1 else mrows  # (cb|1, bq|1, 1)
+            dom = c <= DOMINANT_MASK
+            if bool(dom.any()):  # the mask alone, relative to the row's offset (the query's last column)
+                S.copy_(torch.where(dom, qa_b[..., -1:], S))
+            S.add_(m - c, alpha=mask_scale)
     if causal and j1 - 1 > i0:  # top-left aligned: key j is seen by query i iff j <= i
         rows = torch.arange(i0, i1, device=S.device).unsqueeze(-1)
         cols = torch.arange(j0, j1, device=S.device).unsqueeze(0)
         S.masked_fill_(cols > rows, _NEG_INF)
-    if mask is not None:
-        m = _mask_tile(mask, i0, i1, j0, j1)
-        if m.dtype == torch.bool:
-            S.masked_fill_(~m, _NEG_INF)
-        else:
-            S.add_(m, alpha=mask_scale)
     return S, X, Y
 
 
@@ -254,14 +278,17 @@ class _MaskChunks:
     mask is accumulated the same way, into the mask's own shape.
     """
 
-    def __init__(self, mask: Tensor, batch: tuple[int, ...], need_grad: bool):
+    def __init__(self, mask: Tensor, batch: tuple[int, ...], need_grad: bool, rows: Tensor | None = None):
         self.mask = mask
         if not need_grad:  # a batch dimension of stride 0 (an expanded mask) is read once, not copied
             for dim in range(mask.dim() - 2):
                 if mask.stride(dim) == 0:
                     mask = mask.narrow(dim, 0, 1)
+                    rows = rows.narrow(dim, 0, 1) if rows is not None else None
         mb = mask.shape[:-2]
         self.flat = mask.reshape(-1, *mask.shape[-2:])  # (prod(mb), 1|n_q, 1|n_k)
+        # a float mask's row offsets [*mb, 1|n_q] (see _tile), as (prod(mb), 1|n_q, 1)
+        self.rows = rows.expand(*mb, rows.shape[-1]).reshape(-1, rows.shape[-1], 1) if rows is not None else None
         ids = torch.arange(self.flat.shape[0]).view(mb).expand(batch) if batch else torch.zeros((), dtype=torch.long)
         self.ids = ids.reshape(-1).tolist()  # mask row of every flat batch element
         self.grad = torch.zeros_like(self.flat) if need_grad else None
@@ -274,9 +301,10 @@ class _MaskChunks:
             return slice(ids[0], ids[-1] + 1)
         return torch.tensor(ids, device=self.flat.device)
 
-    def chunk(self, c0: int, c1: int) -> Tensor:
-        """The mask of batch elements c0:c1, shape [c1 - c0 or 1, 1|n_q, 1|n_k]."""
-        return self.flat[self._where(c0, c1)]
+    def chunk(self, c0: int, c1: int) -> tuple[Tensor, Tensor | None]:
+        """The mask of batch elements c0:c1, shape [c1 - c0 or 1, 1|n_q, 1|n_k], and its row offsets or None."""
+        where = self._where(c0, c1)
+        return self.flat[where], (self.rows[where] if self.rows is not None else None)
 
     def add_grad(self, c0: int, c1: int, i0: int, i1: int, j0: int, j1: int, dS: Tensor) -> None:
         """Add the scores' gradient of a tile (c1 - c0, bq, bk), summed to the mask's shape."""
@@ -300,6 +328,8 @@ def _dead_rows(mask: Tensor | None, causal: bool, cb: int, n_q: int, n_k: int) -
     """(cb, n_q) bool: rows that see no key (their output is 0 by definition)."""
     if mask is None:  # a causal row always sees key 0
         return torch.zeros(cb, n_q, dtype=torch.bool)
+    if isinstance(mask, tuple):  # (mask, row offsets) of a chunk
+        mask = mask[0]
     vis = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)  # (cb|1, 1|n_q, 1|n_k)
     if vis.shape[-1] == 1:
         vis = vis.expand(*vis.shape[:-1], n_k)
@@ -326,14 +356,23 @@ def _base2(scale: float, ck: float, cq: float) -> tuple[float, float, float]:
     return scale * _LOG2E, ck * math.sqrt(_LOG2E), cq * math.sqrt(_LOG2E)
 
 
-def _row_bound(q: Tensor, lam: Tensor, W: Tensor | None, s2: float, mask: Tensor | None, n_q: int) -> Tensor:
-    """Upper bound of every score of a row, base 2: ``s2/2 q_i^T M q_i`` plus the row's largest float-mask entry."""
+def _row_bound(q: Tensor, lam: Tensor, W: Tensor | None, s2: float, mask, n_q: int) -> Tensor:
+    """Upper bound of every score of a row, base 2: ``s2/2 q_i^T M q_i`` plus the row's largest float-mask entry.
+
+    ``mask`` is ``(m, rows)`` (see :func:`_tile`) or None. With row offsets the
+    mask enters relative to them, the largest visible entry of each row, so it
+    adds at most 0 to a visible score; a row that keeps its mask only (its
+    largest entry is at most ``DOMINANT_MASK``) is bounded by 0.
+    """
     Mq = lam.view(-1, 1, 1) * q
     if W is not None:
         Mq = Mq + (q @ W) @ W.transpose(-1, -2)
     b = (0.5 * s2) * (q * Mq).sum(-1)  # (cb, n_q)
-    if mask is not None and mask.dtype != torch.bool:
-        mmax = mask.amax(-1)  # (cb|1, 1|n_q); -inf on rows that see no key
+    if mask is not None and mask[0].dtype != torch.bool:
+        m, rows = mask
+        if rows is not None:
+            return torch.where(rows[..., 0] <= DOMINANT_MASK, 0.0, b)  # rows (cb|1, 1|n_q, 1)
+        mmax = m.amax(-1)  # (cb|1, 1|n_q); -inf on rows that see no key
         b = b + _LOG2E * mmax.masked_fill(torch.isneginf(mmax), 0.0)
     return b
 
@@ -475,8 +514,34 @@ def _plan_chunks(Bf: int, bq: int, bk: int, width: int, serial: bool, device: to
     return min(workers, len(chunks)), cb, chunks
 
 
-def _run_chunks(run, chunks: list, workers: int) -> None:
-    """``run(group)`` for ``workers`` balanced groups of chunks: here, or one group per pool thread."""
+def _kv_rows(t: Tensor | None, c: slice, g: int) -> Tensor | None:
+    """The key-side rows (key heads) of batch chunk ``c`` when batch element ``b`` reads key head ``b // g``.
+
+    A chunk within one key head gets a view (that head expanded); a chunk
+    over several gets a chunk-sized copy. The whole key side is never
+    repeated to the query heads.
+    """
+    if t is None or g == 1:
+        return t[c] if t is not None else None
+    lo, hi = c.start // g, (c.stop - 1) // g + 1
+    if hi - lo == 1:
+        return t[lo:hi].expand(c.stop - c.start, *t.shape[1:])
+    return t[lo:hi].repeat_interleave(g, 0)[c.start - lo * g:c.stop - lo * g]
+
+
+def _add_kv_grad(target: Tensor, c: slice, g: int, grad: Tensor) -> None:
+    """Add a chunk's key-side gradient (one row per batch element of ``c``) to the key heads it read."""
+    heads = torch.arange(c.start, c.stop, device=grad.device) // g
+    target.index_add_(0, heads, grad)
+
+
+def _run_chunks(run, chunks: list, workers: int, kv_group: int = 1) -> None:
+    """``run(group)`` for ``workers`` balanced groups of chunks: here, or one group per pool thread.
+
+    With ``kv_group > 1`` (grouped-query attention: batch element ``b`` reads
+    key head ``b // kv_group``) chunks that share a key head go to one
+    worker, so the key-side gradients it accumulates are its own.
+    """
     if workers <= 1:
         run(chunks)
         return
@@ -485,7 +550,13 @@ def _run_chunks(run, chunks: list, workers: int) -> None:
         with torch.no_grad():  # grad mode is per thread: the workers only fill preallocated results
             run(group)
 
-    groups = [chunks[i::workers] for i in range(workers)]
+    units = [[chunks[0]]]
+    for c in chunks[1:]:
+        if c.start // kv_group == (units[-1][-1].stop - 1) // kv_group:
+            units[-1].append(c)  # shares a key head with the previous chunk
+        else:
+            units.append([c])
+    groups = [[c for u in units[i::workers] for c in u] for i in range(workers)]
     for f in [_pool(workers).submit(task, g) for g in groups]:
         f.result()
 
@@ -493,12 +564,15 @@ def _run_chunks(run, chunks: list, workers: int) -> None:
 class _RiemannianAttentionFn(torch.autograd.Function):
     """Blockwise forward with a fixed softmax offset; backward recomputes every tile.
 
-    Inputs are flattened over the batch: q (Bf, n_q, d), k (Bf, n_k, d),
-    v (Bf, n_k, dv), lam (Bf,), W (Bf, d, rs) or None (all shared low-rank
-    parts), Uk (Bf, n_k, d, rk) or None, Uq (Bf, n_q, d, rq) or None,
+    Inputs are flattened over the batch: q (Bf, n_q, d), k (Bk, n_k, d),
+    v (Bk, n_k, dv), lam (Bf,), W (Bf, d, rs) or None (all shared low-rank
+    parts), Uk (Bk, n_k, d, rk) or None, Uq (Bf, n_q, d, rq) or None,
     mask [*mb, 1 or n_q, 1 or n_k] bool/float or None, with ``mb``
     broadcasting to ``batch`` (the un-flattened batch shape, a tuple with
-    product Bf): a mask is never expanded to the batch. ``scale``, ``ck``
+    product Bf): a mask is never expanded to the batch. ``kv_group`` g:
+    batch element ``b`` reads key/value row ``b // g`` (``Bk = Bf / g``;
+    grouped-query attention without repeating the key heads). ``mask_rows``
+    [*mb, 1 or n_q] or None: a float mask's row offsets (see :func:`_tile`). ``scale``, ``ck``
     and ``cq`` are in natural units; the tiles use them times log2(e)
     (``scale``) and sqrt(log2(e)) (``ck``, ``cq``). Saved for the backward:
     the inputs, the output and the row log-sum-exp in base 2, nothing pairwise.
@@ -508,7 +582,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch):
+    def forward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch, kv_group, mask_rows):
         Bf, n_q, d = q.shape
         n_k, dv = k.shape[1], v.shape[2]
         rk = Uk.shape[-1] if Uk is not None else 0
@@ -516,7 +590,8 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         bq, bk = blocks
         s2, ck2, cq2 = _base2(scale, ck, cq)
         workers, cb, chunks = _plan_chunks(Bf, bq, bk, 1 + rk + rq, False, q.device)
-        masks = _MaskChunks(mask, batch, False) if mask is not None else None
+        g = kv_group
+        masks = _MaskChunks(mask, batch, False, mask_rows) if mask is not None else None
         out = q.new_empty(Bf, n_q, dv)
         lse = q.new_empty(Bf, n_q)
         tiny = torch.finfo(q.dtype).tiny
@@ -524,7 +599,8 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         def run(group):  # one worker's chunks, with its own buffers
             bufs = _buffers(q, cb, n_q, n_k, bq, bk, rk, rq)
             for c in group:
-                args = (q[c], k[c], v[c], lam[c], W[c] if W is not None else None, Uk[c] if rk else None,
+                args = (q[c], _kv_rows(k, c, g), _kv_rows(v, c, g), lam[c], W[c] if W is not None else None,
+                        _kv_rows(Uk, c, g) if rk else None,
                         Uq[c] if rq else None, masks.chunk(c.start, c.stop) if masks else None, causal,
                         s2, ck2, cq2, bq, bk, bufs)
                 acc, l, off = (_chunk_fixed if _FIXED_OFFSET else _chunk_online)(*args)
@@ -537,8 +613,8 @@ class _RiemannianAttentionFn(torch.autograd.Function):
                 lse[c] = torch.where(l > 0, off + torch.log2(l.clamp_min(tiny)), float("inf"))
 
         _run_chunks(run, chunks, workers)
-        ctx.save_for_backward(q, k, v, lam, W, Uk, Uq, mask, out, lse)
-        ctx.consts = (causal, scale, ck, cq, blocks, batch)
+        ctx.save_for_backward(q, k, v, lam, W, Uk, Uq, mask, out, lse, mask_rows)
+        ctx.consts = (causal, scale, ck, cq, blocks, batch, g)
         return out
 
     @staticmethod
@@ -548,8 +624,8 @@ class _RiemannianAttentionFn(torch.autograd.Function):
                 "riemannian_attention: the blockwise operator has no double backward "
                 "(create_graph=True, e.g. a gradient penalty); use "
                 "riemannian_ref.attention.riemannian_attention_reference, the dense path, for that")
-        q, k, v, lam, W, Uk, Uq, mask, out, lse = ctx.saved_tensors
-        causal, scale, ck, cq, (bq, bk), batch = ctx.consts
+        q, k, v, lam, W, Uk, Uq, mask, out, lse, mask_rows = ctx.saved_tensors
+        causal, scale, ck, cq, (bq, bk), batch, g = ctx.consts
         need_mask = ctx.needs_input_grad[7]  # a float mask that requires grad
         need_lam = ctx.needs_input_grad[3]
         s2, ck2, cq2 = _base2(scale, ck, cq)
@@ -559,7 +635,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         rq = Uq.shape[-1] if Uq is not None else 0
         # a float mask's gradient is summed over batch elements that share it: chunks in one thread
         workers, cb, chunks = _plan_chunks(Bf, bq, bk, 1 + rk + rq, need_mask, q.device)
-        masks = _MaskChunks(mask, batch, need_mask) if mask is not None else None
+        masks = _MaskChunks(mask, batch, need_mask, mask_rows) if mask is not None else None
         dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dUk = torch.zeros_like(Uk) if rk else None
@@ -572,15 +648,26 @@ class _RiemannianAttentionFn(torch.autograd.Function):
             dpbuf = q.new_empty(cb * min(bq, n_q) * min(bk, n_k))
             for c in group:
                 m_c = masks.chunk(c.start, c.stop) if masks else None
-                _chunk_backward(ctx, q[c], k[c], v[c], lam[c], W[c] if W is not None else None,
-                                Uk[c] if rk else None, Uq[c] if rq else None, m_c, causal, s2, ck2, cq2, bq, bk,
-                                bufs, dpbuf, out[c], lse[c], dout[c], dq[c], dk[c], dv[c],
-                                dUk[c] if rk else None, dUq[c] if rq else None, dlam[c] if need_lam else None,
+                if g == 1:
+                    dk_c, dv_c, dUk_c = dk[c], dv[c], (dUk[c] if rk else None)
+                else:  # the chunk's key-side gradients, added to the key heads it read afterwards
+                    n_c = c.stop - c.start
+                    dk_c, dv_c = k.new_zeros(n_c, *k.shape[1:]), v.new_zeros(n_c, *v.shape[1:])
+                    dUk_c = Uk.new_zeros(n_c, *Uk.shape[1:]) if rk else None
+                _chunk_backward(ctx, q[c], _kv_rows(k, c, g), _kv_rows(v, c, g), lam[c],
+                                W[c] if W is not None else None, _kv_rows(Uk, c, g) if rk else None,
+                                Uq[c] if rq else None, m_c, causal, s2, ck2, cq2, bq, bk,
+                                bufs, dpbuf, out[c], lse[c], dout[c], dq[c], dk_c, dv_c,
+                                dUk_c, dUq[c] if rq else None, dlam[c] if need_lam else None,
                                 dW[c] if W is not None else None, need_lam, (masks, c.start) if need_mask else None)
+                if g > 1:
+                    for target, grad in ((dk, dk_c), (dv, dv_c), (dUk, dUk_c)):
+                        if grad is not None:
+                            _add_kv_grad(target, c, g, grad)
 
-        _run_chunks(run, chunks, workers)
+        _run_chunks(run, chunks, workers, g)
         dmask = masks.grad_like_mask() if need_mask else None
-        return dq, dk, dv, dlam, dW, dUk, dUq, dmask, None, None, None, None, None, None
+        return dq, dk, dv, dlam, dW, dUk, dUq, dmask, None, None, None, None, None, None, None, None
 
 
 def _chunk_backward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, s2, ck2, cq2, bq, bk, bufs, dpbuf, out, lse,

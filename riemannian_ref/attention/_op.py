@@ -62,16 +62,17 @@ class _Ctx:
 @torch.library.custom_op(f"{_NS}::attention", mutates_args=())
 def _attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, W: Optional[Tensor], Uk: Optional[Tensor],
                Uq: Optional[Tensor], mask: Optional[Tensor], causal: bool, scale: float, ck: float, cq: float,
-               blocks: Sequence[int], batch: Sequence[int]) -> tuple[Tensor, Tensor]:
+               blocks: Sequence[int], batch: Sequence[int], kv_group: int,
+               mask_rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """The forward of the blockwise operator: (output (Bf, n_q, dv), row log-sum-exp in base 2 (Bf, n_q))."""
     ctx = _Ctx()
     out = _RiemannianAttentionFn.forward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, tuple(blocks),
-                                         tuple(batch))
-    return out, ctx.saved_tensors[-1]
+                                         tuple(batch), kv_group, mask_rows)
+    return out, ctx.saved_tensors[9]  # the row log-sum-exp (saved after the inputs and the output)
 
 
 @_attention.register_fake
-def _attention_fake(q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch):
+def _attention_fake(q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch, kv_group, mask_rows):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(q.shape[0], q.shape[1])
 
 
@@ -79,11 +80,12 @@ def _attention_fake(q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks
 def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, W: Optional[Tensor],
                         Uk: Optional[Tensor], Uq: Optional[Tensor], mask: Optional[Tensor], out: Tensor, lse: Tensor,
                         causal: bool, scale: float, ck: float, cq: float, blocks: Sequence[int],
-                        batch: Sequence[int], need_lam: bool, need_mask: bool) -> list[Tensor]:
+                        batch: Sequence[int], kv_group: int, mask_rows: Optional[Tensor], need_lam: bool,
+                        need_mask: bool) -> list[Tensor]:
     """Gradients ``[dq, dk, dv, dlam, dW, dUk, dUq, dmask]``; an empty tensor where there is none."""
     needs = (True, True, True, need_lam, W is not None, Uk is not None, Uq is not None, need_mask)
-    ctx = _Ctx((q, k, v, lam, W, Uk, Uq, mask, out, lse), (causal, scale, ck, cq, tuple(blocks), tuple(batch)),
-               needs)
+    ctx = _Ctx((q, k, v, lam, W, Uk, Uq, mask, out, lse, mask_rows),
+               (causal, scale, ck, cq, tuple(blocks), tuple(batch), kv_group), needs)
     with torch.no_grad():  # the operator's backward refuses to run with grad mode on (no double backward)
         grads = _RiemannianAttentionFn.backward(ctx, dout)[:8]
     return [g if g is not None else q.new_empty(0) for g in grads]
@@ -91,7 +93,7 @@ def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tens
 
 @_attention_backward.register_fake
 def _attention_backward_fake(dout, q, k, v, lam, W, Uk, Uq, mask, out, lse, causal, scale, ck, cq, blocks, batch,
-                             need_lam, need_mask):
+                             kv_group, mask_rows, need_lam, need_mask):
     # the layouts of the real gradients: *_like keeps a dense input's strides, as the operator's buffers do
     def like(t, need):
         return torch.empty_like(t) if need and t is not None else q.new_empty(0)
@@ -102,10 +104,10 @@ def _attention_backward_fake(dout, q, k, v, lam, W, Uk, Uq, mask, out, lse, caus
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch = inputs
+    q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch, kv_group, mask_rows = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, lam, W, Uk, Uq, mask, out, lse)
-    ctx.consts = (causal, scale, ck, cq, tuple(blocks), tuple(batch))
+    ctx.save_for_backward(q, k, v, lam, W, Uk, Uq, mask, out, lse, mask_rows)
+    ctx.consts = (causal, scale, ck, cq, tuple(blocks), tuple(batch), kv_group)
     ctx.need_lam = ctx.needs_input_grad[3]
     ctx.need_mask = ctx.needs_input_grad[7]
     ctx.mark_non_differentiable(lse)
@@ -117,13 +119,13 @@ def _backward(ctx, dout, dlse):
             "riemannian_attention: the blockwise operator has no double backward "
             "(create_graph=True, e.g. a gradient penalty); use "
             "riemannian_ref.attention.riemannian_attention_reference, the dense path, for that")
-    q, k, v, lam, W, Uk, Uq, mask, out, lse = ctx.saved_tensors
-    causal, scale, ck, cq, blocks, batch = ctx.consts
+    q, k, v, lam, W, Uk, Uq, mask, out, lse, mask_rows = ctx.saved_tensors
+    causal, scale, ck, cq, blocks, batch, kv_group = ctx.consts
     g = _attention_backward(dout, q, k, v, lam, W, Uk, Uq, mask, out, lse, causal, scale, ck, cq, list(blocks),
-                            list(batch), ctx.need_lam, ctx.need_mask)
+                            list(batch), kv_group, mask_rows, ctx.need_lam, ctx.need_mask)
     present = (True, True, True, ctx.need_lam, W is not None, Uk is not None, Uq is not None, ctx.need_mask)
     grads = [t if p else None for t, p in zip(g, present)]
-    return (*grads, None, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None, None)
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)
@@ -139,5 +141,6 @@ class TracedRiemannianAttentionFn:
     """
 
     @staticmethod
-    def apply(q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch) -> Tensor:
-        return _attention(q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, list(blocks), list(batch))[0]
+    def apply(q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch, kv_group, mask_rows) -> Tensor:
+        return _attention(q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, list(blocks), list(batch), kv_group,
+                          mask_rows)[0]

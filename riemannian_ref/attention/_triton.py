@@ -41,6 +41,12 @@ result is deterministic). The products use ``input_precision="ieee"`` (no
 TF32): the expanded distance cancels terms of size :math:`|q|^2`. Inputs of
 float16/bfloat16 are loaded, computed in float32 and stored in their dtype.
 
+Masks follow the rule of the CPU operator: a float mask enters each row
+relative to the row's largest visible entry, and a row whose largest entry is
+at most ``-2**120`` (``finfo.min``) keeps its mask alone (SDPA's row
+average). Grouped-query attention reads key head ``b // g`` for query head
+``b``; the key/value kernel of a key head sums over its ``g`` query heads.
+
 Not here (the caller keeps the PyTorch operator for these): dropout, float64,
 a float mask that requires grad, double backward (raises, as the CPU
 operator does), head dimensions above 256.
@@ -53,6 +59,8 @@ import os
 
 import torch
 from torch import Tensor
+
+from ._validate import mask_row_max
 
 try:  # optional: the package works without it
     import triton
@@ -143,8 +151,9 @@ def _stacked_factors(U: Tensor | None, per_token: bool, n: int, batch: torch.Siz
     return _flat(U, batch, 3).permute(0, 3, 1, 2).contiguous()
 
 
-def _mask_rows(attn_mask: Tensor, batch: torch.Size):
-    """The mask as (Mb, 1|n_q, 1|n_k) and the mask row of every flat batch element (never expanded to the batch)."""
+def _mask_rows(attn_mask: Tensor, batch: torch.Size, is_causal: bool, n_q: int, n_k: int):
+    """The mask as (Mb, 1|n_q, 1|n_k), the mask row of every flat batch element (never expanded to the batch),
+    and for a float mask its row offsets (Mb, 1|n_q) in float32 (``mask_row_max``; None for a bool mask)."""
     m = attn_mask
     for dim in range(m.dim() - 2):  # a batch dimension of stride 0 (an expanded mask) is read once
         if m.stride(dim) == 0:
@@ -154,24 +163,36 @@ def _mask_rows(attn_mask: Tensor, batch: torch.Size):
     if flat.dtype == torch.bool:
         flat = flat.to(torch.int8)
     ids = torch.arange(flat.shape[0], device=m.device).view(mb).expand(batch).reshape(-1)
-    return flat, ids.to(torch.int32).contiguous()
+    rows = None
+    if flat.dtype != torch.int8:  # each row enters relative to its largest visible entry (see _scores)
+        rows = mask_row_max(flat, is_causal, n_q, n_k).float().contiguous()
+    return flat, ids.to(torch.int32).contiguous(), rows
 
 
 def attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, per_q, per_k,
-                   batch, blocks=None):
-    """The Triton path for a validated call (the arguments as ``check_attention_inputs`` returns them)."""
+                   batch, blocks=None, kv_group: int = 1):
+    """The Triton path for a validated call (the arguments as ``check_attention_inputs`` returns them).
+
+    ``kv_group`` g > 1: grouped-query views (``group_heads``), the batch
+    ``[..., h_kv, g]`` and the key side ``[..., h_kv, 1]``: batch element ``b``
+    reads key head ``b // g`` in the kernels, the key heads are not repeated.
+    """
     n_q, n_k, d, dv = query.shape[-2], key.shape[-2], query.shape[-1], value.shape[-1]
     w = 0.5 if metric_side == "mean" else 1.0
-    qf, kf, vf = (_flat(t, batch, 2).contiguous() for t in (query, key, value))
+    # the key side keeps its heads unless its metric factors were given per query head
+    g = kv_group if kv_group > 1 and (U_k is None or U_k.shape[-4 if per_k else -3] == 1) else 1
+    kv_batch = (*batch[:-1], 1) if g > 1 else batch
+    qf = _flat(query, batch, 2).contiguous()
+    kf, vf = (_flat(t, kv_batch, 2).contiguous() for t in (key, value))
     lamf = lam_t.expand(batch).reshape(-1).contiguous()
-    Ukt = _stacked_factors(U_k, per_k, n_k, batch)
+    Ukt = _stacked_factors(U_k, per_k, n_k, kv_batch)
     Uqt = _stacked_factors(U_q, per_q, n_q, batch)
     rk = Ukt.shape[1] if Ukt is not None else 0
     rq = Uqt.shape[1] if Uqt is not None else 0
     blocks = default_blocks(d, dv, rk, rq) if blocks is None else _check_blocks(blocks)
-    mflat, mids = _mask_rows(attn_mask, batch) if attn_mask is not None else (None, None)
-    out = _TritonAttentionFn.apply(qf, kf, vf, lamf, Ukt, Uqt, mflat, mids, bool(is_causal), float(scale), w,
-                                   blocks)
+    mflat, mids, mrows = _mask_rows(attn_mask, batch, is_causal, n_q, n_k) if attn_mask is not None else (None,) * 3
+    out = _TritonAttentionFn.apply(qf, kf, vf, lamf, Ukt, Uqt, mflat, mids, mrows, bool(is_causal), float(scale), w,
+                                   blocks, g)
     return out.view(*batch, n_q, dv)
 
 
@@ -187,11 +208,11 @@ def riemannian_attention_triton(query: Tensor, key: Tensor, value: Tensor, attn_
     Raises ``RuntimeError`` for a case the kernels do not support (see
     :func:`unsupported_reason`) and ``NotImplementedError`` for dropout.
     """
-    from ._validate import check_attention_inputs
-    from .functional import _repeat_kv
+    from ._validate import check_attention_inputs, group_heads
 
+    g = 1
     if enable_gqa:
-        key, value, U_k = _repeat_kv(query, key, value, U_k)
+        g, query, key, value, attn_mask, U_q, U_k, lam = group_heads(query, key, value, attn_mask, U_q, U_k, lam)
     lam_t, scale, per_q, per_k, batch = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal,
                                                                scale, U_q, U_k, lam, metric_side)
     if dropout_p > 0.0:
@@ -199,37 +220,40 @@ def riemannian_attention_triton(query: Tensor, key: Tensor, value: Tensor, attn_
     why = unsupported_reason(query, value, attn_mask, U_q, U_k)
     if why is not None:
         raise RuntimeError(f"riemannian_attention_triton: not supported: {why}")
-    return attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, per_q,
-                          per_k, batch, block_sizes)
+    out = attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, per_q,
+                         per_k, batch, block_sizes, g)
+    return out.flatten(-4, -3) if g > 1 else out
 
 
 class _TritonAttentionFn(torch.autograd.Function):
     """Forward and backward on the Triton kernels; inputs flattened over the batch (Bf).
 
-    q (Bf, n_q, d), k (Bf, n_k, d), v (Bf, n_k, dv), lam (Bf,), Ukt (Bf, rk, n_k, d)
+    q (Bf, n_q, d), k (Bk, n_k, d), v (Bk, n_k, dv), lam (Bf,), Ukt (Bk, rk, n_k, d)
     or None, Uqt (Bf, rq, n_q, d) or None, mask (Mb, 1|n_q, 1|n_k) int8 (bool) or
-    float, with mask_ids (Bf,) int32, the mask row of every batch element.
+    float, with mask_ids (Bf,) int32, the mask row of every batch element, and
+    mask_rows (Mb, 1|n_q) float32 (a float mask's row offsets) or None;
+    ``group`` g: batch element ``b`` reads key row ``b // g`` (``Bk = Bf / g``).
     Saved for the backward: the inputs, the output and the row log-sum-exp
     (base 2, float32), nothing pairwise.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks):
+    def forward(ctx, q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w, blocks, group):
         Bf, n_q = q.shape[:2]
         dv = v.shape[2]
         out = torch.empty(Bf, n_q, dv, dtype=q.dtype, device=q.device)
         lse = torch.empty(Bf, n_q, dtype=torch.float32, device=q.device)
 
         def launch(blocks):
-            a = _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks)
-            _fwd_kernel[(Bf, triton.cdiv(n_q, blocks[0]))](q, k, v, lam, a["uk"], a["uq"], a["mask"], a["mids"], out,
-                                                           lse, *a["sizes"], a["smq"], a["smk"], a["smb"], a["scale"],
-                                                           a["w"], **a["const"])
+            a = _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w, blocks, group)
+            _fwd_kernel[(Bf, triton.cdiv(n_q, blocks[0]))](q, k, v, lam, a["uk"], a["uq"], a["mask"], a["mids"],
+                                                           a["mrow"], out, lse, *a["sizes"], *a["strides"],
+                                                           a["scale"], a["w"], a["G"], **a["const"])
 
         with _device_of(q):
             blocks = _fitting_blocks(launch, blocks)
-        ctx.save_for_backward(q, k, v, lam, Ukt, Uqt, mask, mask_ids, out, lse)
-        ctx.consts = (causal, scale, w, blocks)
+        ctx.save_for_backward(q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, out, lse)
+        ctx.consts = (causal, scale, w, blocks, group)
         return out
 
     @staticmethod
@@ -239,8 +263,8 @@ class _TritonAttentionFn(torch.autograd.Function):
                 "riemannian_attention: the Triton kernels have no double backward (create_graph=True, e.g. a "
                 "gradient penalty); use riemannian_ref.attention.riemannian_attention_reference, the dense path, "
                 "for that (or set RR_DISABLE_TRITON=1 for the PyTorch operator, which has none either)")
-        q, k, v, lam, Ukt, Uqt, mask, mask_ids, out, lse = ctx.saved_tensors
-        causal, scale, w, blocks = ctx.consts
+        q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, out, lse = ctx.saved_tensors
+        causal, scale, w, blocks, group = ctx.consts
         Bf, n_q, d = q.shape
         n_k = k.shape[1]
         dout = dout.contiguous()
@@ -251,16 +275,16 @@ class _TritonAttentionFn(torch.autograd.Function):
         dlam_part = []
 
         def args(blocks):
-            a = _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks)
-            common = (q, k, v, lam, a["uk"], a["uq"], a["mask"], a["mids"], dout, lse, Dr)
-            tail = (*a["sizes"], a["smq"], a["smk"], a["smb"], a["scale"], a["w"])
+            a = _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w, blocks, group)
+            common = (q, k, v, lam, a["uk"], a["uq"], a["mask"], a["mids"], a["mrow"], dout, lse, Dr)
+            tail = (*a["sizes"], *a["strides"], a["scale"], a["w"], a["G"])
             return common, tail, a["const"]
 
         def launch_dkdv(blocks):
             common, tail, const = args(blocks)
             nkb = triton.cdiv(n_k, blocks[1])
             part = torch.empty(Bf, nkb, dtype=torch.float32, device=q.device)
-            _bwd_dkdv_kernel[(Bf, nkb)](*common, dk, dv, dUk if dUk is not None else dk, part, *tail, **const)
+            _bwd_dkdv_kernel[(k.shape[0], nkb)](*common, dk, dv, dUk if dUk is not None else dk, part, *tail, **const)
             dlam_part[:] = [part]
 
         def launch_dq(blocks):
@@ -272,7 +296,7 @@ class _TritonAttentionFn(torch.autograd.Function):
             _fitting_blocks(launch_dkdv, blocks)
             _fitting_blocks(launch_dq, blocks)
         dlam = dlam_part[0].sum(-1).to(lam.dtype) if ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dlam, dUk, dUq, None, None, None, None, None, None
+        return dq, dk, dv, dlam, dUk, dUq, None, None, None, None, None, None, None, None
 
 
 def _device_of(t: Tensor):
@@ -297,9 +321,9 @@ def _fitting_blocks(launch, blocks: tuple[int, int]) -> tuple[int, int]:
             blocks = (bm // 2, bn) if bm >= bn else (bm, bn // 2)
 
 
-def _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, blocks):
+def _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w, blocks, group):
     """The kernels' common arguments: sizes, mask strides, constants (the last-dim strides are 1)."""
-    Bf, n_q, d = q.shape
+    n_q, d = q.shape[1:]
     n_k, dv = k.shape[1], v.shape[2]
     rk = Ukt.shape[1] if Ukt is not None else 0
     rq = Uqt.shape[1] if Uqt is not None else 0
@@ -310,13 +334,15 @@ def _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, causal, scale, w, block
     else:
         smq = smk = smb = 0
         kind = 0
+    # a float mask's row offsets (Mb, 1|n_q): row stride, and stride per distinct mask
+    smr, smrb = ((1 if mask_rows.shape[-1] > 1 else 0), mask_rows.shape[-1]) if mask_rows is not None else (0, 0)
     BM, BN = blocks
     const = dict(CAUSAL=bool(causal), MASK_KIND=kind, HAS_UK=rk > 0, HAS_UQ=rq > 0,
                  RK=_pow2(max(rk, 1), 1), RQ=_pow2(max(rq, 1), 1), BM=BM, BN=BN, BD=_pow2(d), BDV=_pow2(dv))
     return dict(uk=Ukt if Ukt is not None else q, uq=Uqt if Uqt is not None else q,
                 mask=mask if mask is not None else q, mids=mask_ids if mask_ids is not None else lam,
-                sizes=(n_q, n_k, d, dv, rk, rq), smq=smq, smk=smk, smb=smb, scale=float(scale), w=float(w),
-                const=const)
+                mrow=mask_rows if mask_rows is not None else lam, sizes=(n_q, n_k, d, dv, rk, rq),
+                strides=(smq, smk, smb, smr, smrb), scale=float(scale), w=float(w), G=int(group), const=const)
 
 
 if HAS_TRITON:
@@ -382,7 +408,7 @@ if HAS_TRITON:
         return offs_n, k, v, uk, kr
 
     @triton.jit
-    def _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
+    def _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk, mrow_ptr, smr,
                 CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr, HAS_UQ: tl.constexpr,
                 RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         """Scores of a tile in base 2 (masked: -inf), with the rank products X (BM, RK*BN) and Y (RQ*BM, BN).
@@ -413,17 +439,26 @@ if HAS_TRITON:
         if MASK_KIND == 1:
             valid = valid & (tl.load(mptr, mask=inb, other=0) != 0)
         if MASK_KIND == 2:
-            s += tl.load(mptr, mask=inb, other=0.0).to(tl.float32)
+            # each row relative to its largest visible entry c_i (a row constant); a row whose c_i is at most
+            # -2**120 (DOMINANT_MASK: finfo.min) keeps its mask only, as SDPA's sum s + m rounds to m there
+            mv = tl.load(mptr, mask=inb, other=float("-inf")).to(tl.float32)  # outside the tile: no key
+            c = tl.load(mrow_ptr + offs_m.to(tl.int64) * smr, mask=offs_m < n_q, other=0.0)
+            mv = mv - c[:, None]
+            s = tl.where(c[:, None] <= -1.329227995784916e36, mv, s + mv)
+            # finite entries far below the row's maximum weigh 0 either way, and those above it are causally
+            # hidden: keep s * log2(e) finite
+            s = tl.where(s == float("-inf"), s, tl.minimum(tl.maximum(s, -1.0e38), 1.0e38))
         s = tl.where(valid, s * 1.4426950408889634, float("-inf"))
         return s, X, Y
 
     @triton.jit
-    def _fwd_kernel(Q, K, V, LAM, UK, UQ, MASK, MIDS, OUT, LSE,
-                    n_q, n_k, d, dv, rk, rq, smq, smk, smb, scale, w,
+    def _fwd_kernel(Q, K, V, LAM, UK, UQ, MASK, MIDS, MROW, OUT, LSE,
+                    n_q, n_k, d, dv, rk, rq, smq, smk, smb, smr, smrb, scale, w, G,
                     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr, HAS_UQ: tl.constexpr,
                     RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                     BD: tl.constexpr, BDV: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
+        kb = b // G  # the key head this query head reads (grouped-query attention)
         m0 = tl.program_id(1) * BM
         offs_m = m0 + tl.arange(0, BM)
         offs_d = tl.arange(0, BD)
@@ -431,6 +466,7 @@ if HAS_TRITON:
         q = _load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d)
         lam = tl.load(LAM + b).to(tl.float32)
         mask_ptr = _mask_base(MASK, MIDS, b, smb, MASK_KIND)
+        mrow_ptr = _mask_base(MROW, MIDS, b, smrb, MASK_KIND)
         uq, qr = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.full((BM,), 0.0, tl.float32)
@@ -439,9 +475,9 @@ if HAS_TRITON:
         if CAUSAL:
             hi = tl.minimum(n_k, m0 + BM)
         for n0 in range(0, hi, BN):
-            offs_n, k, v, uk, kr = _key_tile(K, V, UK, b, n0, n_k, d, dv, rk, offs_d, offs_dv, HAS_UK, RK, BN)
+            offs_n, k, v, uk, kr = _key_tile(K, V, UK, kb, n0, n_k, d, dv, rk, offs_d, offs_dv, HAS_UK, RK, BN)
             s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
-                              CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
+                              mrow_ptr, smr, CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
             m_new = tl.maximum(m_i, _rmax(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
             p = tl.exp2(s - m_safe[:, None])
@@ -459,24 +495,22 @@ if HAS_TRITON:
         tl.store(LSE + b * n_q + offs_m, lse, mask=offs_m < n_q)
 
     @triton.jit
-    def _bwd_dkdv_kernel(Q, K, V, LAM, UK, UQ, MASK, MIDS, DO, LSE, DR, DK, DV, DUK, DLAM,
-                         n_q, n_k, d, dv, rk, rq, smq, smk, smb, scale, w,
+    def _bwd_dkdv_kernel(Q, K, V, LAM, UK, UQ, MASK, MIDS, MROW, DO, LSE, DR, DK, DV, DUK, DLAM,
+                         n_q, n_k, d, dv, rk, rq, smq, smk, smb, smr, smrb, scale, w, G,
                          CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr,
                          HAS_UQ: tl.constexpr, RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
+        # one program per (key head kb, key block): it sums over the G query heads b = kb G + g that read kb
+        kb = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
         n0 = pid_n * BN
         offs_n = n0 + tl.arange(0, BN)
         offs_d = tl.arange(0, BD)
         offs_dv = tl.arange(0, BDV)
-        k = _load_rows(K + b * n_k * d, offs_n, n_k, d, offs_d, d)
-        v = _load_rows(V + b * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
-        lam = tl.load(LAM + b).to(tl.float32)
-        mask_ptr = _mask_base(MASK, MIDS, b, smb, MASK_KIND)
-        uk, kr = _factor_rows(K, UK, b, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN)
-        acc_g = tl.full((BN, BD), 0.0, tl.float32)  # sum_i dS_ij q_i
-        colsum = tl.full((BN,), 0.0, tl.float32)  # sum_i dS_ij
+        k = _load_rows(K + kb * n_k * d, offs_n, n_k, d, offs_d, d)
+        v = _load_rows(V + kb * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
+        uk, kr = _factor_rows(K, UK, kb, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN)
+        dk = tl.full((BN, BD), 0.0, tl.float32)
         acc_dv = tl.full((BN, BDV), 0.0, tl.float32)
         acc_du = tl.full((RK * BN, BD), 0.0, tl.float32)  # sum_i dS_ij X_t,ij q_i
         cx = tl.full((RK * BN,), 0.0, tl.float32)  # sum_i dS_ij X_t,ij
@@ -484,29 +518,39 @@ if HAS_TRITON:
         lo = 0
         if CAUSAL:
             lo = n0  # queries before the block's first key see none of its keys
-        for m0 in range(lo, n_q, BM):
-            offs_m = m0 + tl.arange(0, BM)
-            q = _load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d)
-            do = _load_rows(DO + b * n_q * dv, offs_m, n_q, dv, offs_dv, dv)
-            lse = tl.load(LSE + b * n_q + offs_m, mask=offs_m < n_q, other=float("inf"))
-            Dr = tl.load(DR + b * n_q + offs_m, mask=offs_m < n_q, other=0.0)
-            uq, qr = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM)
-            s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
-                              CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
-            p = tl.exp2(s - lse[:, None])
-            acc_dv += tl.dot(tl.trans(p), do, input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-            ds = p * (dp - Dr[:, None])
-            acc_g += tl.dot(tl.trans(ds), q, input_precision="ieee")
-            colsum += _rsum(ds, 0)
-            if HAS_UK:
-                dsx = tl.reshape(ds[:, None, :] * tl.reshape(X, (BM, RK, BN)), (BM, RK * BN))
-                acc_du += tl.dot(tl.trans(dsx), q, input_precision="ieee")
-                cx += _rsum(dsx, 0)
-            if HAS_UQ:
-                dsy = tl.reshape(ds[None, :, :] * tl.reshape(Y, (RQ, BM, BN)), (RQ * BM, BN))
-                acc_y += tl.dot(tl.trans(dsy), uq, input_precision="ieee")
-        dk = (scale * lam) * (acc_g - colsum[:, None] * k)
+        for gi in range(0, G):
+            b = kb * G + gi
+            lam = tl.load(LAM + b).to(tl.float32)
+            mask_ptr = _mask_base(MASK, MIDS, b, smb, MASK_KIND)
+            mrow_ptr = _mask_base(MROW, MIDS, b, smrb, MASK_KIND)
+            acc_g = tl.full((BN, BD), 0.0, tl.float32)  # sum_i dS_ij q_i (this query head: its own lam)
+            colsum = tl.full((BN,), 0.0, tl.float32)  # sum_i dS_ij
+            for m0 in range(lo, n_q, BM):
+                offs_m = m0 + tl.arange(0, BM)
+                q = _load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d)
+                do = _load_rows(DO + b * n_q * dv, offs_m, n_q, dv, offs_dv, dv)
+                lse = tl.load(LSE + b * n_q + offs_m, mask=offs_m < n_q, other=float("inf"))
+                Dr = tl.load(DR + b * n_q + offs_m, mask=offs_m < n_q, other=0.0)
+                uq, qr = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM)
+                s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq,
+                                  smk, mrow_ptr, smr, CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
+                p = tl.exp2(s - lse[:, None])
+                acc_dv += tl.dot(tl.trans(p), do, input_precision="ieee")
+                dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+                ds = p * (dp - Dr[:, None])
+                acc_g += tl.dot(tl.trans(ds), q, input_precision="ieee")
+                colsum += _rsum(ds, 0)
+                if HAS_UK:
+                    dsx = tl.reshape(ds[:, None, :] * tl.reshape(X, (BM, RK, BN)), (BM, RK * BN))
+                    acc_du += tl.dot(tl.trans(dsx), q, input_precision="ieee")
+                    cx += _rsum(dsx, 0)
+                if HAS_UQ:
+                    dsy = tl.reshape(ds[None, :, :] * tl.reshape(Y, (RQ, BM, BN)), (RQ * BM, BN))
+                    acc_y += tl.dot(tl.trans(dsy), uq, input_precision="ieee")
+            dk += (scale * lam) * (acc_g - colsum[:, None] * k)
+            # d s_ij / d lam = scale (q_i . k_j - |k_j|^2 / 2) (the row constant has zero gradient)
+            dlam = scale * (_rsum(_rsum(k * acc_g, 1), 0) - 0.5 * _rsum(colsum * _rsum(k * k, 1), 0))
+            tl.store(DLAM + b * tl.num_programs(1) + pid_n, dlam)
         if HAS_UK:
             dk += (scale * w) * _rsum(tl.reshape(cx[:, None] * uk, (RK, BN, BD)), 0)
             du = -(scale * w) * (acc_du - cx[:, None] * kr)
@@ -514,27 +558,25 @@ if HAS_TRITON:
             t = offs // BN
             j = n0 + offs % BN
             umask = (t[:, None] < rk) & (j[:, None] < n_k) & (offs_d[None, :] < d)
-            tl.store(DUK + b * rk * n_k * d + (t[:, None] * n_k + j[:, None]).to(tl.int64) * d + offs_d[None, :],
+            tl.store(DUK + kb * rk * n_k * d + (t[:, None] * n_k + j[:, None]).to(tl.int64) * d + offs_d[None, :],
                      du.to(DUK.dtype.element_ty), mask=umask)
         if HAS_UQ:
             dk += (scale * w) * acc_y
         kmask = (offs_n[:, None] < n_k) & (offs_d[None, :] < d)
-        tl.store(DK + b * n_k * d + offs_n[:, None].to(tl.int64) * d + offs_d[None, :],
+        tl.store(DK + kb * n_k * d + offs_n[:, None].to(tl.int64) * d + offs_d[None, :],
                  dk.to(DK.dtype.element_ty), mask=kmask)
         vmask = (offs_n[:, None] < n_k) & (offs_dv[None, :] < dv)
-        tl.store(DV + b * n_k * dv + offs_n[:, None].to(tl.int64) * dv + offs_dv[None, :],
+        tl.store(DV + kb * n_k * dv + offs_n[:, None].to(tl.int64) * dv + offs_dv[None, :],
                  acc_dv.to(DV.dtype.element_ty), mask=vmask)
-        # d s_ij / d lam = scale (q_i . k_j - |k_j|^2 / 2) (the row constant has zero gradient)
-        dlam = scale * (_rsum(_rsum(k * acc_g, 1), 0) - 0.5 * _rsum(colsum * _rsum(k * k, 1), 0))
-        tl.store(DLAM + b * tl.num_programs(1) + pid_n, dlam)
 
     @triton.jit
-    def _bwd_dq_kernel(Q, K, V, LAM, UK, UQ, MASK, MIDS, DO, LSE, DR, DQ, DUQ,
-                       n_q, n_k, d, dv, rk, rq, smq, smk, smb, scale, w,
+    def _bwd_dq_kernel(Q, K, V, LAM, UK, UQ, MASK, MIDS, MROW, DO, LSE, DR, DQ, DUQ,
+                       n_q, n_k, d, dv, rk, rq, smq, smk, smb, smr, smrb, scale, w, G,
                        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr,
                        HAS_UQ: tl.constexpr, RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
+        kb = b // G
         m0 = tl.program_id(1) * BM
         offs_m = m0 + tl.arange(0, BM)
         offs_d = tl.arange(0, BD)
@@ -545,6 +587,7 @@ if HAS_TRITON:
         Dr = tl.load(DR + b * n_q + offs_m, mask=offs_m < n_q, other=0.0)
         lam = tl.load(LAM + b).to(tl.float32)
         mask_ptr = _mask_base(MASK, MIDS, b, smb, MASK_KIND)
+        mrow_ptr = _mask_base(MROW, MIDS, b, smrb, MASK_KIND)
         uq, qr = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM)
         acc_dq = tl.full((BM, BD), 0.0, tl.float32)
         acc_dvq = tl.full((RQ * BM, BD), 0.0, tl.float32)  # sum_j dS_ij Y_t,ij k_j
@@ -553,9 +596,9 @@ if HAS_TRITON:
         if CAUSAL:
             hi = tl.minimum(n_k, m0 + BM)
         for n0 in range(0, hi, BN):
-            offs_n, k, v, uk, kr = _key_tile(K, V, UK, b, n0, n_k, d, dv, rk, offs_d, offs_dv, HAS_UK, RK, BN)
+            offs_n, k, v, uk, kr = _key_tile(K, V, UK, kb, n0, n_k, d, dv, rk, offs_d, offs_dv, HAS_UK, RK, BN)
             s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
-                              CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
+                              mrow_ptr, smr, CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
             p = tl.exp2(s - lse[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
             ds = p * (dp - Dr[:, None])

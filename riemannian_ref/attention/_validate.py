@@ -77,3 +77,93 @@ def _broadcasts_to(shape, batch) -> bool:
         return torch.broadcast_shapes(batch, shape) == batch
     except RuntimeError:
         return False
+
+
+# ------------------------------------------------------------------ the dispatch rules shared by every backend
+# Mask entries at or below this dominate any score: s + m rounds to m in float32 and float64 alike for every
+# |s| < 2^67 (the ulp of 2^120 in float64 is 2^68), so SDPA's result for such a row is the softmax of the mask
+# alone. It holds every torch.finfo(dtype).min (transformers' masking value) but float16's (-65504, which
+# SDPA on CPU adds to the scores in float32 without losing them).
+DOMINANT_MASK = -2.0 ** 120
+
+
+def autocast_dtype(device_type: str):
+    """The dtype ``torch.autocast`` casts to on this device type, or None when it is off (or unknown there)."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta, ...)
+        return None
+    return torch.get_autocast_dtype(device_type) if on else None
+
+
+def mask_row_max(mask: Tensor, is_causal: bool, n_q: int, n_k: int) -> Tensor:
+    """The largest entry of every row of a float mask over the keys the row sees, 0 where it sees none.
+
+    ``mask`` [*mb, 1|n_q, 1|n_k]; returns [*mb, 1|n_q] (``n_q`` rows when
+    ``is_causal`` makes rows differ), computed without gradient. A key-padding
+    mask ``[B, 1, 1, n_k]`` with ``is_causal`` gives ``[B, 1, n_q]`` (a running
+    maximum), never a ``[B, 1, n_q, n_k]`` tensor.
+    """
+    with torch.no_grad():
+        m = mask.detach()
+        if not is_causal or m.shape[-1] == 1:  # a per-query column: key 0 is visible to every causal row
+            c = m.amax(-1)
+        elif m.shape[-2] == 1:  # [*mb, 1, n_k]: row i sees keys 0..i, the running maximum at min(i, n_k - 1)
+            rows = torch.arange(n_q, device=m.device).clamp_max(n_k - 1)
+            c = m.cummax(-1).values[..., 0, :].index_select(-1, rows)
+        else:
+            keep = torch.ones(n_q, n_k, dtype=torch.bool, device=m.device).tril()
+            c = m.masked_fill(~keep, float("-inf")).amax(-1)
+        return c.masked_fill(torch.isneginf(c), 0.0)
+
+
+def group_heads(query: Tensor, key: Tensor, value: Tensor, attn_mask, U_q, U_k, lam):
+    """Grouped-query attention as views: the batch [..., h_q] becomes [..., h_kv, g], the key side [..., h_kv, 1].
+
+    Returns ``(g, query, key, value, attn_mask, U_q, U_k, lam)``: with ``g = 1``
+    the arguments unchanged, else views of them (nothing is copied). ``U_k``
+    and ``U_q`` may have ``h_kv`` (key side only), ``h_q`` or 1 heads;
+    ``lam`` a last dimension of ``h_q``, ``h_kv`` or 1; ``attn_mask`` 1 or
+    ``h_q`` heads (dimension -3), as SDPA's.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor) or t.dim() < 3:
+            raise ValueError(f"enable_gqa=True needs {name} of shape [..., heads, n, d], got "
+                             f"{shape_str(t) if isinstance(t, Tensor) else type(t).__name__}")
+    hq, hk = query.shape[-3], key.shape[-3]
+    if value.shape[-3] != hk or hq % hk or key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(f"enable_gqa=True needs key and value with the same number of heads, dividing the "
+                         f"query heads {hq}; got key {shape_str(key)}, value {shape_str(value)}")
+    g = hq // hk
+    if g == 1:
+        return 1, query, key, value, attn_mask, U_q, U_k, lam
+
+    def split(t: Tensor, dim: int, name: str, allowed: tuple[int, ...]) -> Tensor:
+        """Head dimension ``dim`` of size h_q to (h_kv, g), of size h_kv or 1 to (., 1)."""
+        dim = dim % t.dim()
+        h = t.shape[dim]
+        if h == hq:
+            return t.unflatten(dim, (hk, g))
+        if h in allowed:
+            return t.unsqueeze(dim + 1)
+        want = " or ".join(str(a) for a in (hq, *allowed))
+        raise ValueError(f"with enable_gqa=True, {name} must have {want} heads in dimension {dim - t.dim()} "
+                         f"(query heads {hq}, key heads {hk}), got {shape_str(t)}")
+
+    def factor(U, x: Tensor, name: str, allowed):
+        if U is None:
+            return None
+        U = check_tensor(U, name, min_dim=2)
+        if U.dim() not in (x.dim(), x.dim() + 1):
+            raise ValueError(f"{name} must have {x.dim() + 1} dims ([..., n, d, r], per-token) or {x.dim()} dims "
+                             f"([..., d, r], shared) to match {'query' if x is query else 'key'} "
+                             f"{shape_str(x)}, got {shape_str(U)}")
+        return split(U, -4 if U.dim() == x.dim() + 1 else -3, name, allowed)
+
+    U_k = factor(U_k, key, "U_k", (hk, 1))
+    U_q = factor(U_q, query, "U_q", (1,))
+    if isinstance(lam, Tensor) and lam.dim() > 0:
+        lam = split(lam, -1, "lam", (hk, 1))
+    if isinstance(attn_mask, Tensor) and attn_mask.dim() >= 3:
+        attn_mask = split(attn_mask, -3, "attn_mask", (1,))
+    return g, query.unflatten(-3, (hk, g)), key.unsqueeze(-3), value.unsqueeze(-3), attn_mask, U_q, U_k, lam

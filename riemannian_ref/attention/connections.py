@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 
 from .._checks import broadcast_batch, check_same, check_tensor, shape_str
-from ._validate import check_attention_inputs
+from ._validate import autocast_dtype, check_attention_inputs
 from .functional import riemannian_attention
 from .reference import additive_mask, masked_softmax, riemannian_attention_reference
 
@@ -390,6 +390,14 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
 
     Notes
     -----
+    Under ``torch.autocast`` (inputs in mixed precisions) metric scores and
+    transports are computed in float32 and returned in the autocast dtype;
+    plain dot-product attention without transport is SDPA, run as autocast
+    runs it (inputs cast to the autocast dtype). A mask and ``is_causal``
+    reach SDPA as they are where SDPA applies the pair (torch 2.13 on CPU),
+    as the metric operator keeps them; elsewhere they are combined into one
+    mask.
+
     ``"trivial"`` calls the operator directly. ``"flat"`` moves everything to
     one frame: :math:`q_i \mapsto R_i^\top q_i`, :math:`k_j \mapsto R_j^\top k_j`,
     :math:`U \mapsto R^\top U` (so :math:`G_j \mapsto R_j^\top G_j R_j`),
@@ -402,6 +410,12 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     is about 1.5 to 3.5 ``[..., n, n, d]`` tensors (batch 8, 4 heads,
     n = 256, d = 16 in float32 is 128 MiB each), never a ``[n, n, d, d]`` one.
     """
+    ac = autocast_dtype(query.device.type) if isinstance(query, Tensor) else None
+    if ac is not None and query.dtype != torch.float64:  # autocast leaves float64 alone, as it does for SDPA
+        return _autocast_attention(ac, query, key, value, attn_mask, dropout_p, is_causal, scale, U_q=U_q, U_k=U_k,
+                                   lam=lam, metric_side=metric_side, scores=scores, connection=connection,
+                                   rates=rates, positions=positions, transport_values=transport_values,
+                                   return_weights=return_weights)
     if connection not in CONNECTIONS:
         raise ValueError(f"connection must be one of {CONNECTIONS}, got {connection!r}")
     if scores not in ("metric", "dot"):
@@ -455,11 +469,62 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
                               edge_rule(connection))
 
 
+def _autocast_attention(ac, query, key, value, attn_mask, dropout_p, is_causal, scale, **kw):
+    """:func:`connection_attention` under ``torch.autocast`` (dtype ``ac``), whose inputs come in mixed precisions.
+
+    Plain dot-product attention (no transport, no weights) is SDPA, which
+    autocast runs in ``ac``: its inputs are cast to ``ac``, as autocast casts
+    them. Everything else (metric scores, transports) is computed in float32
+    with autocast off; the result, and the weights, come back in ``ac``, the
+    dtype autocast gives SDPA's result.
+    """
+    sdpa = kw["scores"] == "dot" and kw["connection"] == "trivial" and not kw["return_weights"]
+    to = (lambda t: t.to(ac) if isinstance(t, Tensor) and t.is_floating_point() else t) if sdpa else \
+        (lambda t: t.float() if isinstance(t, Tensor) and t.is_floating_point() else t)  # noqa: E731
+    with torch.autocast(query.device.type, enabled=False):
+        res = connection_attention(to(query), to(key), to(value), to(attn_mask), dropout_p, is_causal, scale,
+                                   **{name: (to(t) if name in ("U_q", "U_k", "lam", "rates") else t)
+                                      for name, t in kw.items()})
+    return tuple(t.to(ac) for t in res) if kw["return_weights"] else res.to(ac)
+
+
+_SDPA_MASK_AND_CAUSAL: dict[str, bool] = {}
+
+
+def _sdpa_takes_mask_and_causal(device: torch.device) -> bool:
+    """Whether SDPA applies ``attn_mask`` and ``is_causal`` together on this device (checked once per process).
+
+    SDPA's documentation says the pair raises; torch 2.13's CPU kernels
+    accept it and apply both (top-left causal, as here). Where that holds, a
+    key-padding mask ``[B, 1, 1, n]`` reaches SDPA as it is, the compact form
+    the metric path keeps; elsewhere (other devices, whose kernels cannot be
+    probed for every shape and dtype here, and torch versions that raise)
+    the two are combined into one ``[B, 1, n, n]`` mask. The probe compares
+    the pair with that combination on a small call whose first rows see no
+    key, so a version that ignored either part would fail it.
+    """
+    if device.type != "cpu":
+        return False
+    if "cpu" not in _SDPA_MASK_AND_CAUSAL:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 1, n, 4, generator=g) for n in (5, 6, 6))
+        keep = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+        keep[0, ..., :2] = False  # with causal: rows 0 and 1 of the first sequence see no key
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        try:
+            pair = sdpa(q, k, v, attn_mask=keep, is_causal=True)
+            one = sdpa(q, k, v, attn_mask=keep & torch.ones(5, 6, dtype=torch.bool).tril())
+            _SDPA_MASK_AND_CAUSAL["cpu"] = bool(torch.allclose(pair, one, atol=1e-6, rtol=1e-5))
+        except RuntimeError:
+            _SDPA_MASK_AND_CAUSAL["cpu"] = False
+    return _SDPA_MASK_AND_CAUSAL["cpu"]
+
+
 def _attend(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side, scores, return_weights):
     """Attention without transport: the operator, or its dense reference when the weights are wanted."""
     if scores == "dot":
-        if not return_weights:  # SDPA; it takes a mask or the causal flag, not both
-            if attn_mask is not None and is_causal:
+        if not return_weights:  # SDPA, with the mask as compact as the metric path keeps it where SDPA allows
+            if attn_mask is not None and is_causal and not _sdpa_takes_mask_and_causal(q.device):
                 attn_mask, is_causal = additive_mask(attn_mask, True, q.shape[-2], k.shape[-2], q), False
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)

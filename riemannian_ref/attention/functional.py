@@ -51,7 +51,14 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         Boolean (``True`` = may attend) or additive float mask of the query's
         dtype, broadcastable to ``[..., n_q, n_k]`` without enlarging the
         batch. A float mask that requires grad gets its gradient (a learned
-        bias trains), as with SDPA.
+        bias trains), as with SDPA. Masked rows give SDPA's result on every
+        backend: a row that sees no key (``False``, ``-inf`` or causally
+        hidden everywhere) gives 0 with zero gradients; a row whose visible
+        entries are all at most ``-2**120`` (``torch.finfo(dtype).min``, the
+        masking value of ``transformers``, for every dtype but float16) gives
+        the softmax of its mask alone, i.e. the average of the values it sees,
+        as SDPA does (there ``s + m`` rounds to ``m``). Each row enters
+        relative to its largest visible entry (a row constant, so exact).
     dropout_p : float
         Dropout on the attention weights. ``dropout_p > 0`` runs the dense
         :func:`~riemannian_ref.attention.reference.riemannian_attention_reference`
@@ -71,13 +78,20 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         ``metric_side="key"`` means :math:`G = \lambda I`.
     lam : float or Tensor, shape broadcastable to the batch
         Isotropic part :math:`\lambda > 0` (e.g. per head, ``[h]`` for inputs
-        ``[B, h, n, d]``).
+        ``[B, h, n, d]``). With ``enable_gqa`` its last dimension may count
+        the query heads or the key heads (one per key head, as ``U_k``).
     metric_side : {"key", "query", "mean"}
         Whose metric measures a pair: :math:`G_j`, :math:`G_i` or
         :math:`(G_i + G_j)/2`.
     enable_gqa : bool
         Grouped-query attention, as SDPA: ``key``, ``value`` (and ``U_k``) may
-        have fewer heads (dimension -3) than ``query``, a divisor of its heads.
+        have fewer heads (dimension -3) than ``query``, a divisor of its heads;
+        query head ``i`` reads key head ``i // g`` (``g`` query heads per key
+        head). Nothing is repeated: the heads are grouped as views
+        ``[..., h_kv, g]``, and the blockwise operator and the Triton kernels
+        read each key head where it is (per-token ``U_k`` given per query head
+        makes the key side per query head, copied). ``U_k`` may have ``h_kv``,
+        ``h_q`` or 1 heads, ``U_q`` ``h_q`` or 1, ``attn_mask`` 1 or ``h_q``.
     block_sizes : (int, int), optional
         Query and key block sizes of the tiles; default: a rule measured on
         CPU that keeps a tile near 512 KiB.
@@ -85,7 +99,8 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     Returns
     -------
     Tensor, shape [..., n_q, d_v]
-        Rows whose keys are all masked give 0, with zero gradients (no NaN).
+        Rows that see no key give 0, with zero gradients (no NaN); see
+        ``attn_mask`` for rows masked with ``finfo.min``.
 
     Notes
     -----
@@ -103,11 +118,14 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     fixed after the first key block, and rows that would underflow (every key
     extremely far) are recomputed with the online softmax.
 
-    Precision: float32 and float64 run natively. Under ``torch.autocast``
-    (and for float16/bfloat16 inputs) the operator upcasts to float32, computes
-    there and returns float32 under autocast (the input dtype otherwise): the
-    expanded distance cancels terms of size :math:`|q|^2` and bfloat16's
-    8-bit mantissa would leave no correct digit in the differences.
+    Precision: float32 and float64 run natively. Float16/bfloat16 inputs are
+    computed in float32 and returned in their dtype, on every branch
+    (dropout included). Under ``torch.autocast`` the inputs may come in mixed
+    precisions (a model's float32 ``lam`` next to autocast queries): they are
+    computed in float32 and the result has the autocast dtype, as SDPA's
+    result has there (float64 inputs, which autocast leaves alone, stay
+    float64). The expanded distance cancels terms of size :math:`|q|^2` and
+    bfloat16's 8-bit mantissa would leave no correct digit in the differences.
 
     ``torch.compile``: the blockwise operator is registered as the custom ops
     ``riemannian_ref::attention`` and ``riemannian_ref::attention_backward``
@@ -116,7 +134,8 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     model compiles through it, with ``fullgraph=True`` too, forward and
     backward; eager calls run the same operator without the op layer.
 
-    Dropout: ``dropout_p > 0`` takes the dense reference path (see above);
+    Dropout: ``dropout_p > 0`` takes the dense reference path (see above),
+    in float32 at least;
     SDPA-style, dropout is applied whenever ``dropout_p > 0``, so pass
     ``dropout_p=0`` in evaluation (:class:`~riemannian_ref.attention.layer.RiemannianAttention`
     does).
@@ -139,30 +158,55 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     Triton's interpreter against the dense reference; their speed on a GPU
     has not been measured.
     """
+    from ._validate import autocast_dtype, group_heads
+
     dev = query.device.type if isinstance(query, Tensor) else "cpu"
-    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
-        # inputs may come in mixed precisions: compute in float32, return float32
+    ac = autocast_dtype(dev)
+    if ac is not None:
+        # autocast: the inputs may come in mixed precisions (the model's lam in float32, its queries in the
+        # autocast dtype); computed in float32, returned in the autocast dtype as SDPA's result is. Float64
+        # inputs, which autocast leaves alone, stay float64.
+        f64 = query.dtype == torch.float64
         with torch.autocast(dev, enabled=False):
-            return riemannian_attention(*_f32(query, key, value, attn_mask), dropout_p, is_causal, scale,
-                                        U_q=_f32(U_q), U_k=_f32(U_k), lam=_f32(lam), metric_side=metric_side,
-                                        enable_gqa=enable_gqa, block_sizes=block_sizes)
-    if enable_gqa:
-        key, value, U_k = _repeat_kv(query, key, value, U_k)
+            ins = (query, key, value, attn_mask, U_q, U_k, lam) if f64 else _f32(query, key, value, attn_mask, U_q,
+                                                                                   U_k, lam)
+            out = riemannian_attention(*ins[:4], dropout_p, is_causal, scale, U_q=ins[4], U_k=ins[5], lam=ins[6],
+                                       metric_side=metric_side, enable_gqa=enable_gqa, block_sizes=block_sizes)
+        return out if f64 else out.to(ac)
+    g = 1
+    if enable_gqa:  # views: the batch [..., h_q] becomes [..., h_kv, g], the key side [..., h_kv, 1]
+        g, query, key, value, attn_mask, U_q, U_k, lam = group_heads(query, key, value, attn_mask, U_q, U_k, lam)
     lam_t, scale, per_q, per_k, batch = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal,
                                                                scale, U_q, U_k, lam, metric_side)
     blocks = _check_block_sizes(block_sizes) if block_sizes is not None else None
+    out = _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t, metric_side,
+                    per_q, per_k, batch, blocks, g)
+    return out.flatten(-4, -3) if g > 1 else out
+
+
+def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t, metric_side, per_q, per_k,
+              batch, blocks, g):
+    """A validated call (``g`` > 1: grouped-query views, key side [..., h_kv, 1]) to its backend.
+
+    One dtype rule on every branch: float16/bfloat16 are computed in float32
+    and returned in their dtype (the Triton kernels do that themselves).
+    """
     n_q, n_k = query.shape[-2], key.shape[-2]
-    if dropout_p > 0.0 or n_q == 0 or math.prod(batch) == 0:  # dropout, or nothing to compute
+    if n_q == 0 or math.prod(batch) == 0:  # nothing to compute
         return riemannian_attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                               U_q=U_q, U_k=U_k, lam=lam_t, metric_side=metric_side)
-    if query.device.type == "cuda" and _triton_path(query, value, attn_mask, U_q, U_k):
+    if dropout_p == 0.0 and _triton_path(query, value, attn_mask, U_q, U_k):
         from . import _triton  # imports triton: only here, on first use
         return _triton.attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side,
-                                      per_q, per_k, batch)
+                                      per_q, per_k, batch, None, g)
     if query.dtype in (torch.float16, torch.bfloat16):  # half inputs: compute in float32, return their dtype
-        out = riemannian_attention(*_f32(query, key, value, attn_mask), 0.0, is_causal, scale, U_q=_f32(U_q),
-                                   U_k=_f32(U_k), lam=_f32(lam_t), metric_side=metric_side, block_sizes=blocks)
+        out = _dispatch(*_f32(query, key, value, attn_mask), dropout_p, is_causal, scale, _f32(U_q), _f32(U_k),
+                        _f32(lam_t), metric_side, per_q, per_k, batch, blocks, g)
         return out.to(query.dtype)
+    if dropout_p > 0.0:  # the blockwise operator has no dropout: the dense reference (in float32 at least)
+        return riemannian_attention_reference(query, key, value, _relative_mask(attn_mask, is_causal, n_q, n_k),
+                                              dropout_p, is_causal, scale, U_q=U_q, U_k=U_k, lam=lam_t,
+                                              metric_side=metric_side)
 
     # Sort the metric parts: shared ones join M (free), per-token ones give squared terms.
     w = 0.5 if metric_side == "mean" else 1.0
@@ -177,33 +221,61 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
             Uq_tok = U_q
         else:
             shared.append(U_q)
-    qf, kf, vf = _flat(query, batch, 2), _flat(key, batch, 2), _flat(value, batch, 2)
+    # grouped-query attention: the key side keeps its heads (batch element b reads key head b // g), unless
+    # per-token key factors were given per query head
+    g = g if g > 1 and (Uk_tok is None or Uk_tok.shape[-4] == 1) else 1
+    kv_batch = (*batch[:-1], 1) if g > 1 else batch
+    qf, kf, vf = _flat(query, batch, 2), _flat(key, kv_batch, 2), _flat(value, kv_batch, 2)
     lamf = lam_t.expand(batch).reshape(-1)
     W = None
     if shared:
         W = torch.cat([_flat(U, batch, 2) for U in shared], -1)
         if w != 1.0:
             W = W * math.sqrt(w)
-    Ukf = _flat(Uk_tok, batch, 3) if Uk_tok is not None else None
+    Ukf = _flat(Uk_tok, kv_batch, 3) if Uk_tok is not None else None
     Uqf = _flat(Uq_tok, batch, 3) if Uq_tok is not None else None
     c = math.sqrt(scale * w / 2.0)
     rk = Ukf.shape[-1] if Ukf is not None else 0
     rq = Uqf.shape[-1] if Uqf is not None else 0
     if blocks is None:
         blocks = block_sizes_for(n_q, n_k, 1 + rk + rq)
+    rows = None
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        from ._validate import mask_row_max
+        rows = mask_row_max(attn_mask, is_causal, n_q, n_k)  # [*mb, 1|n_q]: each row relative to its maximum
+        if not torch.compiler.is_compiling():  # (a branch on values would break a fullgraph trace)
+            rows = rows if bool(rows.any()) else None  # all 0 (the usual padding mask): nothing to subtract
     # the mask keeps its own batch shape (a key-padding mask [B, 1, 1, n_k] stays O(B n_k))
     # eagerly the autograd Function; while torch.compile traces, the same operator as a custom op (_op.py)
     fn = TracedRiemannianAttentionFn if torch.compiler.is_compiling() else _RiemannianAttentionFn
     out = fn.apply(qf.contiguous(), kf.contiguous(), vf.contiguous(), lamf, W,
                    Ukf.contiguous() if Ukf is not None else None,
                    Uqf.contiguous() if Uqf is not None else None,
-                   attn_mask, is_causal, scale, c, c, blocks, tuple(batch))
+                   attn_mask, is_causal, scale, c, c, blocks, tuple(batch), g, rows)
     return out.view(*batch, n_q, value.shape[-1])
 
 
+def _relative_mask(attn_mask, is_causal: bool, n_q: int, n_k: int):
+    """A float mask with each row relative to its largest visible entry, as the fast operators read it.
+
+    Exact (a row constant), and it keeps the sum with the scores from
+    rounding away the scores next to a large finite mask (float16's
+    ``finfo.min`` is -65504); rows at most ``DOMINANT_MASK`` stay as they are,
+    so there the scores still vanish, as in SDPA.
+    """
+    from ._validate import DOMINANT_MASK, mask_row_max
+
+    if attn_mask is None or attn_mask.dtype == torch.bool:
+        return attn_mask
+    c = mask_row_max(attn_mask, is_causal, n_q, n_k).unsqueeze(-1)  # [*mb, 1|n_q, 1]
+    if not bool(c.any()):
+        return attn_mask
+    return attn_mask - torch.where(c <= DOMINANT_MASK, 0.0, c)
+
+
 def _triton_path(query: Tensor, value: Tensor, attn_mask, U_q, U_k) -> bool:
-    """Whether a (validated, CUDA) call runs on the Triton kernels: triton importable, not disabled, supported."""
-    if _triton_disabled():
+    """Whether a validated call runs on the Triton kernels: CUDA tensors, triton importable, not disabled, supported."""
+    if query.device.type != "cuda" or _triton_disabled():
         return False
     from . import _triton  # imports triton if installed (guarded: HAS_TRITON is False otherwise)
     return _triton.usable(query, value, attn_mask, U_q, U_k)
@@ -217,26 +289,6 @@ def _f32(*ts):
     """Floating tensors in float32 (others, and None, unchanged); one argument gives one result."""
     out = tuple(t.float() if isinstance(t, Tensor) and t.is_floating_point() else t for t in ts)
     return out[0] if len(ts) == 1 else out
-
-
-def _repeat_kv(query: Tensor, key: Tensor, value: Tensor, U_k: Tensor | None):
-    """Grouped-query attention: repeat the key/value heads (dimension -3) to the query heads."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor) or t.dim() < 3:
-            raise ValueError(f"enable_gqa=True needs {name} of shape [..., heads, n, d], got "
-                             f"{shape_str(t) if isinstance(t, Tensor) else type(t).__name__}")
-    hq, hk = query.shape[-3], key.shape[-3]
-    if value.shape[-3] != hk or hq % hk:
-        raise ValueError(f"enable_gqa=True needs key and value with the same number of heads, dividing the "
-                         f"query heads {hq}; got key {shape_str(key)}, value {shape_str(value)}")
-    g = hq // hk
-    if g == 1:
-        return key, value, U_k
-    if U_k is not None:
-        dim = -4 if U_k.dim() == key.dim() + 1 else -3  # per-token [..., h, n, d, r] or shared [..., h, d, r]
-        if U_k.shape[dim] == hk:
-            U_k = U_k.repeat_interleave(g, dim=dim)
-    return key.repeat_interleave(g, dim=-3), value.repeat_interleave(g, dim=-3), U_k
 
 
 def _check_block_sizes(block_sizes) -> tuple[int, int]:

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from .._checks import check_bool, check_choice, check_int, check_number, check_tensor, shape_str
 from ..geometry.metric import LAM_MIN, MetricNet, raw_from_lam
 from ..geometry.scores import METRIC_SIDES, riemannian_scores
+from ._validate import autocast_dtype
 from .connections import CONNECTIONS, connection_attention, rotary_frequencies
 
 CONTENT_CONNECTIONS = ("content", "content_source")  # connections with learned per-token rates
@@ -414,7 +415,7 @@ class RiemannianAttention(nn.Module):
         elif cfg.cross_attention:
             raise ValueError("this module is configured for cross-attention: pass context")
         w = self.w_q
-        mixed = torch.is_autocast_enabled(x.device.type)  # autocast casts per op: other dtypes are expected
+        mixed = autocast_dtype(x.device.type) is not None  # autocast casts per op: other dtypes are expected
         for name, t in (("x", x), ("context", context)):
             if t is not None and ((t.dtype != w.dtype and not mixed) or t.device != w.device):
                 raise ValueError(f"{name} has dtype {t.dtype} on {t.device} but the module's parameters are "

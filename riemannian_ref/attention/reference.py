@@ -17,8 +17,12 @@ and both serve the tests as oracles for it.
   The fast operator runs the same loop with its CPU details (base-2 units,
   one stacked matrix product per tile, buffers reused, a recomputing backward).
 
-One rule for rows whose keys are all masked holds everywhere: they give 0, with
-zero gradients, never NaN (:func:`masked_softmax`).
+One rule for masked rows holds everywhere, SDPA's: rows whose keys are all
+masked (``False``, ``-inf``) give 0, with zero gradients, never NaN
+(:func:`masked_softmax`); a row whose mask is ``torch.finfo(dtype).min``
+everywhere gives the average of its values, as ``s + m`` rounds to ``m``
+(the fast operators reproduce this, see
+:func:`riemannian_ref.attention.functional.riemannian_attention`).
 """
 from __future__ import annotations
 

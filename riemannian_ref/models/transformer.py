@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from .._checks import check_bool, check_int as _pos_int, check_number as _number, check_tensor, shape_str
 from .._checks import check_values
+from ..attention._validate import autocast_dtype
 from ..attention.layer import RiemannianAttention
 from ..geometry.metric import LowRankMetric, MetricNet
 from .config import FiberBundleConfig
@@ -150,7 +151,11 @@ class Block(nn.Module):
             f = self.mlp(z)  # the feed-forward update                     (B, n, D)
             if self.ffn_metric is not None:
                 lam, U = self.ffn_metric(z)  # (1,), (B, 1, n, D, r)
-                f = self.eta * LowRankMetric(lam, U.squeeze(1)).solve(f)  # eta G_x^{-1} f: damped along U_x
+                if autocast_dtype(z.device.type) is None:
+                    f = self.eta * LowRankMetric(lam, U.squeeze(1)).solve(f)  # eta G_x^{-1} f: damped along U_x
+                else:  # autocast (mixed dtypes): a linear solve, computed and returned in float32 as autocast does
+                    with torch.autocast(z.device.type, enabled=False):
+                        f = self.eta * LowRankMetric(lam.float(), U.squeeze(1).float()).solve(f.float())
             x = x + f if self.config.skip else f
         return x, A
 
