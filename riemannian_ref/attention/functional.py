@@ -12,6 +12,7 @@ to be read, is :func:`riemannian_ref.attention.reference.blockwise_attention`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -195,6 +196,9 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
     if n_q == 0 or math.prod(batch) == 0:  # nothing to compute
         return riemannian_attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                               U_q=U_q, U_k=U_k, lam=lam_t, metric_side=metric_side)
+    if _FORCED_BACKEND == "triton":  # tests: the kernels on any device (_force_backend)
+        return _forced_triton(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t,
+                              metric_side, per_q, per_k, batch, blocks, g)
     if dropout_p == 0.0 and _triton_path(query, value, attn_mask, U_q, U_k):
         from . import _triton  # imports triton: only here, on first use
         return _triton.attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side,
@@ -271,6 +275,49 @@ def _relative_mask(attn_mask, is_causal: bool, n_q: int, n_k: int):
     if not bool(c.any()):
         return attn_mask
     return attn_mask - torch.where(c <= DOMINANT_MASK, 0.0, c)
+
+
+_FORCED_BACKEND: str | None = None  # set only by _force_backend
+
+
+@contextlib.contextmanager
+def _force_backend(name: str):
+    """Make every :func:`riemannian_attention` call in the block run on one backend (private, for tests).
+
+    ``_force_backend("triton")``, in the spirit of
+    ``torch.nn.attention.sdpa_kernel``: the dispatch sends every call with
+    something to compute to the Triton kernels, on any device (CPU tensors
+    run there when ``TRITON_INTERPRET=1`` was set before ``triton`` was first
+    imported), ignoring ``RR_DISABLE_TRITON``; ``block_sizes`` are then the
+    kernels' (two powers of two >= 16; default: their own rule). A call the
+    kernels do not support raises ``RuntimeError`` saying why (dropout, a
+    float64 call, a float mask that requires grad, ...) instead of taking
+    another backend. The call is validated exactly as without the block.
+    Not thread-safe: it sets a module-level flag for the duration of the block.
+    """
+    global _FORCED_BACKEND
+    if name != "triton":
+        raise ValueError(f"backend must be 'triton' (the only backend that can be forced), got {name!r}")
+    before = _FORCED_BACKEND
+    _FORCED_BACKEND = name
+    try:
+        yield
+    finally:
+        _FORCED_BACKEND = before
+
+
+def _forced_triton(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t, metric_side, per_q,
+                   per_k, batch, blocks, g):
+    """A validated call on the Triton kernels (``_force_backend("triton")``), or RuntimeError saying why not."""
+    from . import _triton  # imports triton if installed
+
+    why = "dropout_p > 0 (the kernels have no dropout)" if dropout_p > 0.0 else \
+        _triton.unsupported_reason(query, value, attn_mask, U_q, U_k)
+    if why is not None:
+        raise RuntimeError(f"riemannian_attention under _force_backend('triton'): the Triton kernels do not "
+                           f"support this call: {why}")
+    return _triton.attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side,
+                                  per_q, per_k, batch, blocks, g)
 
 
 def _triton_path(query: Tensor, value: Tensor, attn_mask, U_q, U_k) -> bool:
