@@ -80,7 +80,10 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     lam : float or Tensor, shape broadcastable to the batch
         Isotropic part :math:`\lambda > 0` (e.g. per head, ``[h]`` for inputs
         ``[B, h, n, d]``). With ``enable_gqa`` its last dimension may count
-        the query heads or the key heads (one per key head, as ``U_k``).
+        the query heads or the key heads (one per key head, as ``U_k``). A
+        tensor's values are checked without a host sync off the CPU: on CUDA
+        a bad value raises ``RuntimeError`` when the device reaches the check
+        (``ValueError`` with ``RR_SYNC_CHECKS=1``, and always on CPU).
     metric_side : {"key", "query", "mean"}
         Whose metric measures a pair: :math:`G_j`, :math:`G_i` or
         :math:`(G_i + G_j)/2`.
