@@ -8,6 +8,7 @@ silently or failing deep inside a matmul.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -62,12 +63,19 @@ def broadcast_batch(shapes: dict[str, Sequence[int]]) -> torch.Size:
 
 
 def as_positive(x, name: str, like: Tensor) -> Tensor:
-    """A strictly positive float or tensor, returned as a tensor like ``like``."""
+    """A strictly positive float or tensor, returned as a tensor like ``like``.
+
+    A Python number is checked on the host and filled on ``like``'s device
+    (no copy from the host, so no sync); a tensor's values are checked with
+    :func:`check_values` (asynchronously off the CPU).
+    """
     if isinstance(x, Tensor):
         check_same(like, "the inputs", [(name, x)])
         t = x
     elif isinstance(x, (int, float)) and not isinstance(x, bool):
-        t = torch.tensor(float(x), dtype=like.dtype, device=like.device)
+        if not (math.isfinite(x) and x > 0):
+            raise ValueError(f"{name} must be finite and > 0 everywhere, got {x!r}")
+        return torch.full((), float(x), dtype=like.dtype, device=like.device)
     else:
         raise ValueError(f"{name} must be a positive float or a tensor, got {type(x).__name__}")
     ok = torch.isfinite(t) & (t > 0)
@@ -79,16 +87,35 @@ def as_positive(x, name: str, like: Tensor) -> Tensor:
 def check_values(ok: Tensor, message: str, detail: Callable[[], str] | None = None) -> None:
     """A check on tensor values: ``ValueError(message + detail())`` unless the bool tensor ``ok`` holds.
 
+    On CPU tensors the check is eager: reading ``ok`` costs nothing there.
+    On other devices (CUDA) reading a value would make the host wait for the
+    device (a sync per call on the hot path), so the check is queued on the
+    device instead (``torch._assert_async``): bad values still fail loudly,
+    with a ``RuntimeError`` carrying ``message`` (``detail``, which reads the
+    values, is not called), raised when the device runs the check, so
+    possibly at a later synchronising call, as CUDA errors are. Set the
+    environment variable ``RR_SYNC_CHECKS=1`` to get the eager ``ValueError``
+    with its full message on every device (a sync per check; for debugging).
+
     While ``torch.compile`` (or ``torch.export``) traces, a graph cannot branch
     on values: the check then becomes an assertion inside the graph
     (``torch._assert_async``), which raises a ``RuntimeError`` with
-    ``message`` (``detail``, which reads the values, is not called) when the
-    compiled code runs on bad values.
+    ``message`` when the compiled code runs on bad values, on every device.
     """
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or (reading_syncs(ok) and not sync_checks()):
         torch._assert_async(ok, message)
     elif not ok:
         raise ValueError(message + (detail() if detail is not None else ""))
+
+
+def reading_syncs(t: Tensor) -> bool:
+    """Whether reading a value of ``t`` on the host (``bool(t)``) waits for its device: every device but the CPU."""
+    return t.device.type != "cpu"
+
+
+def sync_checks() -> bool:
+    """``RR_SYNC_CHECKS=1`` (or ``true``/``yes``/``on``): value checks read their values eagerly on every device."""
+    return os.environ.get("RR_SYNC_CHECKS", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 # ------------------------------------------------------------ scalar arguments and config fields

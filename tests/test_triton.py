@@ -4,7 +4,10 @@ Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when the module
 riemannian_ref.attention._triton is imported: this file sets it before that
 import (the package itself never imports the module, only a CUDA call or this
 test does). Under pytest-xdist (``--dist loadfile``) the variable is set in
-every worker that collects this file; it only affects Triton. Oracle: the
+every worker that collects this file; it only affects Triton. Every call is
+the public ``rr.riemannian_attention`` inside the private
+``functional._force_backend("triton")``, which sends it to the kernels on
+any device (so the tests run what CUDA calls run). Oracle: the
 dense reference, float32, outputs and every gradient. The shapes are tiny
 (the interpreter runs each program in numpy) and the blocks are 16, so
 n = 33 spans three blocks with a partial one. No GPU speed is measured here.
@@ -29,6 +32,13 @@ if not T.interpreted():
 
 F32 = torch.float32
 BLOCKS = (16, 16)
+
+
+def on_triton(*args, **kw):
+    """The public call rr.riemannian_attention with its dispatch forced onto the Triton kernels (its validation,
+    autocast, dtype and GQA handling as for any call; ``block_sizes`` go to the kernels)."""
+    with functional._force_backend("triton"):
+        return rr.riemannian_attention(*args, **kw)
 
 
 def make(gen, side, *, B=1, h=2, nq=33, nk=33, d=16, r=2, dv=16, shared=False, dtype=F32):
@@ -60,7 +70,7 @@ def outputs_and_grads(fn, ins, mask, causal, side, **kw):
 
 
 def check_against_reference(ins, mask, causal, side, rtol=1e-4):
-    tri = outputs_and_grads(T.riemannian_attention_triton, ins, mask, causal, side, block_sizes=BLOCKS)
+    tri = outputs_and_grads(on_triton, ins, mask, causal, side, block_sizes=BLOCKS)
     ref = outputs_and_grads(rr.riemannian_attention_reference, ins, mask, causal, side)
     names = ["out", "q", "k", "v", "lam"] + [n for n, t in (("U_q", ins[4]), ("U_k", ins[5])) if t is not None]
     for name, a, b in zip(names, tri, ref):
@@ -117,7 +127,7 @@ def test_general_bool_and_float_masks_and_dead_rows(gen):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_inputs_compute_in_float32_and_keep_their_dtype(gen, dtype):
     ins = make(gen, "key", nq=20, nk=20, r=1, dtype=dtype)
-    tri = outputs_and_grads(T.riemannian_attention_triton, ins, None, True, "key", block_sizes=BLOCKS)
+    tri = outputs_and_grads(on_triton, ins, None, True, "key", block_sizes=BLOCKS)
     ref = outputs_and_grads(rr.riemannian_attention_reference, [t.float() for t in ins[:4]] + [None, ins[5].float()],
                             None, True, "key")
     tol = 1e-2 if dtype == torch.float16 else 6e-2  # the inputs' and outputs' rounding
@@ -158,8 +168,8 @@ def test_gqa_reads_the_key_heads_without_repeating_them(gen, monkeypatch):
     apply = T._TritonAttentionFn.apply
     monkeypatch.setattr(T._TritonAttentionFn, "apply", lambda *a: seen.append(a[1].shape) or apply(*a))
     leaves = [t.clone().requires_grad_() for t in (q, k, v, Uk, lam)]
-    out = T.riemannian_attention_triton(*leaves[:3], keep, is_causal=True, U_k=leaves[3], lam=leaves[4],
-                                        enable_gqa=True, block_sizes=BLOCKS)
+    out = on_triton(*leaves[:3], keep, is_causal=True, U_k=leaves[3], lam=leaves[4], enable_gqa=True,
+                    block_sizes=BLOCKS)
     assert seen == [torch.Size([2 * 2, 20, 16])]  # B * h_kv key rows, not B * h_q
     w = torch.linspace(-1.0, 1.0, out.numel()).view(out.shape)
     grads = torch.autograd.grad(out, leaves, w)
@@ -173,18 +183,29 @@ def test_gqa_reads_the_key_heads_without_repeating_them(gen, monkeypatch):
 
 
 def test_unsupported_cases_are_refused_clearly(gen):
+    """Forced onto the kernels, a call they cannot run raises and says why (it never falls back silently); bad
+    kernel block sizes are a ValueError naming block_sizes."""
     q, k, v, lam, _, Uk = make(gen, "key", nq=16, nk=16)
     bias = torch.zeros(16, 16, requires_grad=True)
-    with pytest.raises(RuntimeError, match="requires grad"):
-        T.riemannian_attention_triton(q, k, v, bias, U_k=Uk, lam=lam)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        T.riemannian_attention_triton(q, k, v, None, 0.1, U_k=Uk, lam=lam)
-    with pytest.raises(RuntimeError, match="dtype"):
-        T.riemannian_attention_triton(q.double(), k.double(), v.double(), U_k=Uk.double(), lam=lam.double())
-    with pytest.raises(ValueError, match="powers of two"):
-        T.riemannian_attention_triton(q, k, v, U_k=Uk, lam=lam, block_sizes=(2, 3))
+    with pytest.raises(RuntimeError, match="do not support this call: a float attn_mask that requires grad"):
+        on_triton(q, k, v, bias, U_k=Uk, lam=lam)
+    with pytest.raises(RuntimeError, match="do not support this call: dropout_p > 0"):
+        on_triton(q, k, v, None, 0.1, U_k=Uk, lam=lam)
+    with pytest.raises(RuntimeError, match="do not support this call: dtype torch.float64"):
+        on_triton(q.double(), k.double(), v.double(), U_k=Uk.double(), lam=lam.double())
+    with pytest.raises(RuntimeError, match="head dimension above 256"):
+        on_triton(*(torch.zeros(1, 1, 2, 257) for _ in range(3)))
+    with pytest.raises(ValueError, match="block_sizes for the Triton kernels must be two powers of two"):
+        on_triton(q, k, v, U_k=Uk, lam=lam, block_sizes=(16, 24))
+    with pytest.raises(ValueError, match="block_sizes must be a pair of positive ints"):  # the public check first
+        on_triton(q, k, v, U_k=Uk, lam=lam, block_sizes=(0, 16))
+    with pytest.raises(ValueError, match="lam must be finite and > 0"):  # validated as without the block
+        on_triton(q, k, v, U_k=Uk, lam=-lam)
+    with pytest.raises(ValueError, match="backend must be 'triton'"):
+        functional._force_backend("sdpa").__enter__()
+    assert functional._FORCED_BACKEND is None  # the block ended (also when its call raised)
     qq = q.clone().requires_grad_()
-    out = T.riemannian_attention_triton(qq, k, v, U_k=Uk, lam=lam, block_sizes=BLOCKS)
+    out = on_triton(qq, k, v, U_k=Uk, lam=lam, block_sizes=BLOCKS)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(out.sum(), qq, create_graph=True)
 
@@ -194,8 +215,14 @@ def test_dispatch_rule(gen, monkeypatch):
     q, k, v, lam, _, Uk = make(gen, "key", nq=8, nk=8, d=4, dv=4)
     assert not T.usable(q, v, None, None, Uk)  # CPU tensors: never dispatched, even under the interpreter
     assert T.unsupported_reason(q, v, None, None, Uk) is None  # ... but runnable through the test entry point
+    flat = T.attention_flat
     monkeypatch.setattr(T, "attention_flat", lambda *a, **kw: pytest.fail("CPU call reached the Triton path"))
     rr.riemannian_attention(q, k, v, U_k=Uk, lam=lam)
+    calls = []
+    monkeypatch.setattr(T, "attention_flat", lambda *a: calls.append(a[-2:]) or flat(*a))
+    monkeypatch.setenv("RR_DISABLE_TRITON", "1")  # forcing overrides the switch
+    on_triton(q, k, v, U_k=Uk, lam=lam, block_sizes=(32, 16))
+    assert calls == [((32, 16), 1)]  # the public call's block_sizes reach the kernels
     monkeypatch.setenv("RR_DISABLE_TRITON", "1")
     assert T.disabled_by_env() and functional._triton_disabled()
 

@@ -2,12 +2,12 @@ r"""Riemannian attention as Triton kernels for GPUs (private; needs the optional
 
 :func:`riemannian_ref.attention.functional.riemannian_attention` calls
 :func:`attention_flat` here for CUDA tensors when :func:`usable` says the
-case is supported; :func:`riemannian_attention_triton` is the same path with
-the public signature, for tests: on CPU tensors it runs under Triton's
-interpreter (``TRITON_INTERPRET=1``, which must be set before ``triton`` is
-first imported: Triton reads it when a kernel is defined, i.e. when this
-module is imported). The package imports and works without ``triton``; this
-module is imported only on first use.
+case is supported, and for every call inside the private
+``functional._force_backend("triton")`` (the tests' way onto the kernels):
+on CPU tensors they run under Triton's interpreter (``TRITON_INTERPRET=1``,
+which must be set before ``triton`` is first imported: Triton reads it when a
+kernel is defined, i.e. when this module is imported). The package imports
+and works without ``triton``; this module is imported only on first use.
 
 The algebra is that of :mod:`riemannian_ref.attention._blockwise`, written
 per tile in the style of FlashAttention-2 :cite:`dao2023flashattention2`.
@@ -133,7 +133,7 @@ def _check_blocks(blocks) -> tuple[int, int]:
     ok = (isinstance(blocks, (tuple, list)) and len(blocks) == 2
           and all(isinstance(b, int) and b >= 16 and b & (b - 1) == 0 for b in blocks))
     if not ok:
-        raise ValueError(f"Triton block sizes must be two powers of two >= 16, got {blocks!r}")
+        raise ValueError(f"block_sizes for the Triton kernels must be two powers of two >= 16, got {blocks!r}")
     return int(blocks[0]), int(blocks[1])
 
 
@@ -194,35 +194,6 @@ def attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam
     out = _TritonAttentionFn.apply(qf, kf, vf, lamf, Ukt, Uqt, mflat, mids, mrows, bool(is_causal), float(scale), w,
                                    blocks, g)
     return out.view(*batch, n_q, dv)
-
-
-def riemannian_attention_triton(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-                                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, *,
-                                U_q: Tensor | None = None, U_k: Tensor | None = None, lam=1.0,
-                                metric_side: str = "key", enable_gqa: bool = False,
-                                block_sizes: tuple[int, int] | None = None) -> Tensor:
-    """``riemannian_attention`` forced onto the Triton kernels, on any device (testing entry point).
-
-    On CPU tensors it needs ``TRITON_INTERPRET=1`` set before ``triton`` is
-    first imported. ``block_sizes`` are the kernels' (powers of two >= 16).
-    Raises ``RuntimeError`` for a case the kernels do not support (see
-    :func:`unsupported_reason`) and ``NotImplementedError`` for dropout.
-    """
-    from ._validate import check_attention_inputs, group_heads
-
-    g = 1
-    if enable_gqa:
-        g, query, key, value, attn_mask, U_q, U_k, lam = group_heads(query, key, value, attn_mask, U_q, U_k, lam)
-    lam_t, scale, per_q, per_k, batch = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal,
-                                                               scale, U_q, U_k, lam, metric_side)
-    if dropout_p > 0.0:
-        raise NotImplementedError("the Triton kernels have no dropout")
-    why = unsupported_reason(query, value, attn_mask, U_q, U_k)
-    if why is not None:
-        raise RuntimeError(f"riemannian_attention_triton: not supported: {why}")
-    out = attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, per_q,
-                         per_k, batch, block_sizes, g)
-    return out.flatten(-4, -3) if g > 1 else out
 
 
 class _TritonAttentionFn(torch.autograd.Function):

@@ -2,7 +2,12 @@
 
 One place decides what a valid call is, so the blockwise operator, the dense
 reference and the plain blockwise version accept and refuse the same inputs,
-with errors that name the argument.
+with errors that name the argument. Each public call validates once, at its
+entry; what it calls inside (the operator's dense branches, the reference's
+scores, every tile of ``blockwise_attention``, the operator under
+``connection_attention``) takes the validated arguments unchecked
+(``functional._attention``, ``reference._reference_attention``,
+``geometry.scores._riemannian_scores``).
 """
 from __future__ import annotations
 

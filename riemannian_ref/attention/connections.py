@@ -63,8 +63,8 @@ from torch import Tensor
 
 from .._checks import broadcast_batch, check_same, check_tensor, shape_str
 from ._validate import autocast_dtype, check_attention_inputs
-from .functional import riemannian_attention
-from .reference import additive_mask, masked_softmax, riemannian_attention_reference
+from .functional import _attention
+from .reference import _reference_attention, additive_mask, masked_softmax
 
 __all__ = [
     "CONNECTIONS",
@@ -424,8 +424,11 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         raise ValueError("scores='dot' takes no metric factors: pass U_q=None and U_k=None")
     if not isinstance(transport_values, bool):
         raise ValueError(f"transport_values must be a bool, got {transport_values!r}")
-    check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
-                           metric_side if scores == "metric" else "key")
+    # validated once here: the operator and the dense reference below are called unchecked
+    lam_t, scale_t = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k,
+                                            lam, metric_side if scores == "metric" else "key")[:2]
+    if scores == "metric":  # (dot scores keep the caller's scale, which SDPA reads as given)
+        lam, scale = lam_t, scale_t
     if rates is not None:
         check_tensor(rates, "rates", min_dim=1)
     check_same(query, "query", [("rates", rates)])
@@ -535,11 +538,13 @@ def _attend(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metr
         if dropout_p > 0.0:
             A = torch.nn.functional.dropout(A, p=dropout_p)
         return A @ v, A
-    kw = dict(U_q=U_q, U_k=U_k, lam=lam, metric_side=metric_side)
+    # metric scores: a call connection_attention has validated (lam a tensor, scale a float), so unchecked
+    per_q = U_q is not None and U_q.dim() == q.dim() + 1
+    per_k = U_k is not None and U_k.dim() == k.dim() + 1
     if return_weights:
-        return riemannian_attention_reference(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                              return_weights=True, **kw)
-    return riemannian_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, **kw)
+        return _reference_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side,
+                                    per_q, per_k, return_weights=True)
+    return _attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side)
 
 
 def _as_complex(x: Tensor) -> Tensor:

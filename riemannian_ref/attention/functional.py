@@ -12,17 +12,18 @@ to be read, is :func:`riemannian_ref.attention.reference.blockwise_attention`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
 import torch
 from torch import Tensor
 
-from .._checks import shape_str
+from .._checks import reading_syncs, shape_str
 from ._blockwise import _RiemannianAttentionFn, block_sizes_for
 from ._op import TracedRiemannianAttentionFn
-from ._validate import check_attention_inputs
-from .reference import riemannian_attention_reference
+from ._validate import autocast_dtype, check_attention_inputs
+from .reference import _reference_attention
 
 __all__ = ["riemannian_attention"]
 
@@ -79,7 +80,10 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     lam : float or Tensor, shape broadcastable to the batch
         Isotropic part :math:`\lambda > 0` (e.g. per head, ``[h]`` for inputs
         ``[B, h, n, d]``). With ``enable_gqa`` its last dimension may count
-        the query heads or the key heads (one per key head, as ``U_k``).
+        the query heads or the key heads (one per key head, as ``U_k``). A
+        tensor's values are checked without a host sync off the CPU: on CUDA
+        a bad value raises ``RuntimeError`` when the device reaches the check
+        (``ValueError`` with ``RR_SYNC_CHECKS=1``, and always on CPU).
     metric_side : {"key", "query", "mean"}
         Whose metric measures a pair: :math:`G_j`, :math:`G_i` or
         :math:`(G_i + G_j)/2`.
@@ -158,7 +162,7 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     Triton's interpreter against the dense reference; their speed on a GPU
     has not been measured.
     """
-    from ._validate import autocast_dtype, group_heads
+    from ._validate import group_heads
 
     dev = query.device.type if isinstance(query, Tensor) else "cpu"
     ac = autocast_dtype(dev)
@@ -184,6 +188,31 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     return out.flatten(-4, -3) if g > 1 else out
 
 
+def _attention(query: Tensor, key: Tensor, value: Tensor, attn_mask, dropout_p: float, is_causal: bool, scale: float,
+               U_q, U_k, lam_t: Tensor, metric_side: str) -> Tensor:
+    """:func:`riemannian_attention` of a call its caller has validated (no GQA), unchecked.
+
+    For :func:`~riemannian_ref.attention.connections.connection_attention`,
+    which validates a call once (``check_attention_inputs``; ``lam_t`` and
+    ``scale`` as it returns them) and may then move the tensors to another
+    frame (rotated, shared factors expanded per token) before this. The
+    dtype rule is the public one (half precision computed in float32); mixed
+    precisions are the caller's to resolve, and autocast is switched off
+    here, as the public function does.
+    """
+    per_q = U_q is not None and U_q.dim() == query.dim() + 1
+    per_k = U_k is not None and U_k.dim() == key.dim() + 1
+    shapes = [query.shape[:-2], key.shape[:-2], value.shape[:-2]]
+    for U, per in ((U_q, per_q), (U_k, per_k)):
+        if U is not None:
+            shapes.append(U.shape[:-3] if per else U.shape[:-2])
+    batch = torch.broadcast_shapes(*shapes)
+    dev = query.device.type
+    with torch.autocast(dev, enabled=False) if autocast_dtype(dev) is not None else contextlib.nullcontext():
+        return _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t, metric_side,
+                         per_q, per_k, batch, None, 1)
+
+
 def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t, metric_side, per_q, per_k,
               batch, blocks, g):
     """A validated call (``g`` > 1: grouped-query views, key side [..., h_kv, 1]) to its backend.
@@ -193,8 +222,11 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
     """
     n_q, n_k = query.shape[-2], key.shape[-2]
     if n_q == 0 or math.prod(batch) == 0:  # nothing to compute
-        return riemannian_attention_reference(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                              U_q=U_q, U_k=U_k, lam=lam_t, metric_side=metric_side)
+        return _reference_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t,
+                                    metric_side, per_q, per_k)
+    if _FORCED_BACKEND == "triton":  # tests: the kernels on any device (_force_backend)
+        return _forced_triton(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t,
+                              metric_side, per_q, per_k, batch, blocks, g)
     if dropout_p == 0.0 and _triton_path(query, value, attn_mask, U_q, U_k):
         from . import _triton  # imports triton: only here, on first use
         return _triton.attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side,
@@ -204,9 +236,8 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
                         _f32(lam_t), metric_side, per_q, per_k, batch, blocks, g)
         return out.to(query.dtype)
     if dropout_p > 0.0:  # the blockwise operator has no dropout: the dense reference (in float32 at least)
-        return riemannian_attention_reference(query, key, value, _relative_mask(attn_mask, is_causal, n_q, n_k),
-                                              dropout_p, is_causal, scale, U_q=U_q, U_k=U_k, lam=lam_t,
-                                              metric_side=metric_side)
+        return _reference_attention(query, key, value, _relative_mask(attn_mask, is_causal, n_q, n_k), dropout_p,
+                                    is_causal, scale, U_q, U_k, lam_t, metric_side, per_q, per_k)
 
     # Sort the metric parts: shared ones join M (free), per-token ones give squared terms.
     w = 0.5 if metric_side == "mean" else 1.0
@@ -243,8 +274,11 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         from ._validate import mask_row_max
         rows = mask_row_max(attn_mask, is_causal, n_q, n_k)  # [*mb, 1|n_q]: each row relative to its maximum
-        if not torch.compiler.is_compiling():  # (a branch on values would break a fullgraph trace)
-            rows = rows if bool(rows.any()) else None  # all 0 (the usual padding mask): nothing to subtract
+        # all 0 (the usual padding mask): nothing to subtract. Only where reading the values is free: on CPU,
+        # not while tracing (a branch on values would break a fullgraph trace) and not on CUDA (a host sync
+        # per call; subtracting all-zero offsets is exact)
+        if not torch.compiler.is_compiling() and not reading_syncs(rows):
+            rows = rows if bool(rows.any()) else None
     # the mask keeps its own batch shape (a key-padding mask [B, 1, 1, n_k] stays O(B n_k))
     # eagerly the autograd Function; while torch.compile traces, the same operator as a custom op (_op.py)
     fn = TracedRiemannianAttentionFn if torch.compiler.is_compiling() else _RiemannianAttentionFn
@@ -268,9 +302,53 @@ def _relative_mask(attn_mask, is_causal: bool, n_q: int, n_k: int):
     if attn_mask is None or attn_mask.dtype == torch.bool:
         return attn_mask
     c = mask_row_max(attn_mask, is_causal, n_q, n_k).unsqueeze(-1)  # [*mb, 1|n_q, 1]
-    if not bool(c.any()):
+    # all 0: nothing to subtract (looked at only where that is free: on CPU, not while tracing)
+    if not torch.compiler.is_compiling() and not reading_syncs(c) and not bool(c.any()):
         return attn_mask
     return attn_mask - torch.where(c <= DOMINANT_MASK, 0.0, c)
+
+
+_FORCED_BACKEND: str | None = None  # set only by _force_backend
+
+
+@contextlib.contextmanager
+def _force_backend(name: str):
+    """Make every :func:`riemannian_attention` call in the block run on one backend (private, for tests).
+
+    ``_force_backend("triton")``, in the spirit of
+    ``torch.nn.attention.sdpa_kernel``: the dispatch sends every call with
+    something to compute to the Triton kernels, on any device (CPU tensors
+    run there when ``TRITON_INTERPRET=1`` was set before ``triton`` was first
+    imported), ignoring ``RR_DISABLE_TRITON``; ``block_sizes`` are then the
+    kernels' (two powers of two >= 16; default: their own rule). A call the
+    kernels do not support raises ``RuntimeError`` saying why (dropout, a
+    float64 call, a float mask that requires grad, ...) instead of taking
+    another backend. The call is validated exactly as without the block.
+    Not thread-safe: it sets a module-level flag for the duration of the block.
+    """
+    global _FORCED_BACKEND
+    if name != "triton":
+        raise ValueError(f"backend must be 'triton' (the only backend that can be forced), got {name!r}")
+    before = _FORCED_BACKEND
+    _FORCED_BACKEND = name
+    try:
+        yield
+    finally:
+        _FORCED_BACKEND = before
+
+
+def _forced_triton(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t, metric_side, per_q,
+                   per_k, batch, blocks, g):
+    """A validated call on the Triton kernels (``_force_backend("triton")``), or RuntimeError saying why not."""
+    from . import _triton  # imports triton if installed
+
+    why = "dropout_p > 0 (the kernels have no dropout)" if dropout_p > 0.0 else \
+        _triton.unsupported_reason(query, value, attn_mask, U_q, U_k)
+    if why is not None:
+        raise RuntimeError(f"riemannian_attention under _force_backend('triton'): the Triton kernels do not "
+                           f"support this call: {why}")
+    return _triton.attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side,
+                                  per_q, per_k, batch, blocks, g)
 
 
 def _triton_path(query: Tensor, value: Tensor, attn_mask, U_q, U_k) -> bool:

@@ -192,6 +192,16 @@ def riemannian_scores(q: Tensor, k: Tensor, U_q: Tensor | None = None, U_k: Tens
     matters.
     """
     lam_t, scale, per_q, per_k = _check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale)
+    return _riemannian_scores(q, k, U_q, U_k, lam_t, metric_side, scale, per_q, per_k)
+
+
+def _riemannian_scores(q: Tensor, k: Tensor, U_q: Tensor | None, U_k: Tensor | None, lam_t: Tensor,
+                       metric_side: str, scale: float, per_q: bool, per_k: bool) -> Tensor:
+    """:func:`riemannian_scores` of validated arguments (as :func:`_check_score_inputs` returns them), unchecked.
+
+    For callers that validated the whole call once (the dense attention
+    reference, every tile of the plain blockwise version).
+    """
     qq = (q * q).sum(-1).unsqueeze(-1)  # (..., n_q, 1)
     kk = (k * k).sum(-1).unsqueeze(-2)  # (..., 1, n_k)
     euclid = qq + kk - 2 * q @ k.transpose(-1, -2)  # |q_i - k_j|^2          (..., n_q, n_k)
