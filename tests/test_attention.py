@@ -632,3 +632,30 @@ def test_default_blocks_are_the_rule(gen, monkeypatch):
     monkeypatch.setattr(functional, "_RiemannianAttentionFn", Spy)
     rr.riemannian_attention(q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side="mean")
     assert seen == [block_sizes_for(5, 7, 5)]
+
+
+def test_dispatch_table_sdpa_for_one_metric_the_operator_for_per_token_metrics(gen, monkeypatch):
+    """No per-token factor (G = lam I or a shared metric): SDPA on the dot-product form; per-token: the operator."""
+    from riemannian_ref.attention import _blockwise, functional
+
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.append("sdpa") or sdpa(*a, **kw))
+    real = _blockwise._RiemannianAttentionFn.apply
+    monkeypatch.setattr(functional._RiemannianAttentionFn, "apply", lambda *a: seen.append("operator") or real(*a))
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=gen, dtype=F64) for _ in range(3))
+    shared = torch.randn(2, 2, 4, 2, generator=gen, dtype=F64)
+    tok = torch.randn(2, 2, 6, 4, 2, generator=gen, dtype=F64)
+    for kw, want in ((dict(), "sdpa"), (dict(U_k=shared), "sdpa"), (dict(U_q=shared, metric_side="mean"), "sdpa"),
+                     (dict(U_k=tok), "operator"), (dict(U_k=shared, U_q=tok, metric_side="mean"), "operator")):
+        seen.clear()
+        out = rr.riemannian_attention(q, k, v, is_causal=True, lam=0.6, **kw)
+        other = "operator" if want == "sdpa" else "sdpa"
+        assert want in seen and other not in seen, kw  # (SDPA's mask-and-causal probe may add calls once)
+        ref = rr.riemannian_attention_reference(q, k, v, is_causal=True, lam=0.6, **kw)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    seen.clear()
+    with functional._force_backend("blockwise"):
+        rr.riemannian_attention(q, k, v, U_k=shared)
+    assert seen == ["operator"]

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import riemannian_ref as rr
+from riemannian_ref.attention import functional
 
 F64 = torch.float64
 
@@ -72,7 +73,8 @@ def test_op_path_equals_the_reference_with_every_gradient(case, gen):
     graphs = []
     compiled = torch.compile(lambda *a: rr.riemannian_attention(*a, **kw), fullgraph=True,
                              backend=_recording("eager", graphs))
-    out = compiled(q, k, v, mask)
+    with functional._force_backend("blockwise"):  # a shared factor alone would go to SDPA
+        out = compiled(q, k, v, mask)
     grads = torch.autograd.grad(out, leaves, dout)
     assert _has_op(graphs)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
@@ -187,3 +189,16 @@ def test_compiled_gqa_with_a_float_mask_matches_the_reference(gen):
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-11)
+
+
+def test_calls_without_per_token_factors_compile_through_sdpa(gen):
+    """No per-token factor: the dispatch's SDPA form, traced with fullgraph=True, equals the reference."""
+    q, k, v = (torch.randn(2, 2, 7, 4, generator=gen, dtype=F64) for _ in range(3))
+    U = 0.5 * torch.randn(2, 2, 4, 2, generator=gen, dtype=F64)
+    keep = torch.rand(2, 1, 1, 7, generator=gen) > 0.3
+    graphs = []
+    fn = torch.compile(lambda q, k, v: rr.riemannian_attention(q, k, v, keep, is_causal=True, U_k=U, lam=0.7),
+                       fullgraph=True, backend=_recording("eager", graphs))
+    ref = rr.riemannian_attention_reference(q, k, v, keep, is_causal=True, U_k=U, lam=0.7)
+    torch.testing.assert_close(fn(q, k, v), ref, rtol=1e-12, atol=1e-12)
+    assert not _has_op(graphs) and any("scaled_dot_product_attention" in t for g in graphs for t in g)

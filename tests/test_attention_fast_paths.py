@@ -20,6 +20,15 @@ from riemannian_ref.attention import _blockwise as bw
 F64 = torch.float64
 
 
+@pytest.fixture(autouse=True)
+def _blockwise_operator():
+    """These tests are about the blockwise operator: calls without per-token factors would go to SDPA."""
+    from riemannian_ref.attention import functional
+
+    with functional._force_backend("blockwise"):
+        yield
+
+
 @pytest.fixture
 def switches(monkeypatch):
     def set_(fixed=True, rowsum=True, chunk=bw._CHUNK_TILE):

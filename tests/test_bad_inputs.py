@@ -68,7 +68,8 @@ def test_float_mask_gets_the_gradient_sdpa_gives_it(gen):
 def test_double_backward_is_a_clear_runtime_error(gen):
     q, k, v = torch.randn(3, 1, 2, 5, 4, generator=gen, dtype=F64).unbind(0)
     q.requires_grad_(True)
-    out = rr.riemannian_attention(q, k, v)
+    U = torch.randn(1, 2, 5, 4, 1, generator=gen, dtype=F64)  # per-token: the blockwise operator
+    out = rr.riemannian_attention(q, k, v, U_k=U)
     with pytest.raises(RuntimeError, match="no double backward.*riemannian_attention_reference"):
         torch.autograd.grad(out.square().sum(), q, create_graph=True)
 

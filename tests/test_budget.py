@@ -66,7 +66,9 @@ def test_matmul_flops_and_activations_match_what_runs(extra):
     cost = estimate_cost(cfg, n, batch=2)
     tot = cost["flops"]["total"]
     # the math path does not recompute the scores in its backward, FlashAttention-2 does (2 n^2 hd per layer)
-    recompute = 2 * 2 * n * n * cfg.n_heads * cfg.qk_dim * cfg.n_layers if cfg.mode == "euclidean" else 0
+    on_sdpa = cfg.mode == "euclidean" or (cfg.shared_metric and cfg.connection != "content")
+    head = cfg.qk_dim + (1 if cfg.mode != "euclidean" else 0)  # the dot-product form carries the key term
+    recompute = 2 * 2 * n * n * cfg.n_heads * head * cfg.n_layers if on_sdpa else 0
     assert tot["matmul_fwd"] == pytest.approx(fwd, rel=0.01)
     assert tot["matmul_bwd"] - recompute == pytest.approx(bwd, rel=0.01)
     assert sum(cost["memory"]["activations"].values()) == pytest.approx(saved_bytes(model, idx), rel=0.08)

@@ -13,12 +13,15 @@ tolerances derived from the dtypes' epsilons. The axes:
   head, per key head or a float;
 - metric side ``key``, ``query``, ``mean`` and factors none, shared
   ``[.., d, r]`` or per-token ``[.., n, d, r]``;
-- backend: the blockwise operator (no dropout) or the dense reference the
-  dispatch takes for dropout (``dropout_p > 0``, with one fixed dropout mask
-  that the float64 oracle applies too).
+- backend: what the dispatch picks (SDPA on the dot-product form for calls
+  without per-token factors, else the blockwise operator), the blockwise
+  operator forced for every call, or the dense reference the dispatch takes
+  for dropout (``dropout_p > 0``, with one fixed dropout mask that the
+  float64 oracle applies too).
 
 The Triton kernels are checked in Triton's interpreter (tests/test_triton.py).
 """
+import contextlib
 from unittest import mock
 
 import pytest
@@ -26,6 +29,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import riemannian_ref as rr
+from riemannian_ref.attention import functional
 
 F64 = torch.float64
 DTYPES = {"float64": F64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -48,7 +52,7 @@ def calls(draw):
                 n_q=n_q, n_k=n_k, d=draw(st.integers(1, 4)), dv=draw(st.integers(1, 3)), r=draw(st.integers(1, 2)),
                 side=draw(st.sampled_from(SIDES)), factors=draw(st.sampled_from(("none", "shared", "per_token"))),
                 lam=draw(st.sampled_from(("float", "query_heads", "key_heads"))),
-                backend=draw(st.sampled_from(("blockwise", "dense"))),
+                backend=draw(st.sampled_from(("auto", "blockwise", "dense"))),
                 blocks=(draw(st.integers(1, n_q + 1)), draw(st.integers(1, n_k + 1))),
                 seed=draw(st.integers(0, 2 ** 31 - 1)))
 
@@ -108,8 +112,9 @@ def _call(t, spec, causal, dropout_p, gqa):
               U_k=t.get("U_k"), lam=t.get("lam", 0.8), metric_side=spec["side"])
     if gqa is None:
         return rr.riemannian_attention_reference(t["query"], t["key"], t["value"], **kw)
-    return rr.riemannian_attention(t["query"], t["key"], t["value"], enable_gqa=gqa, block_sizes=spec["blocks"],
-                                   **kw)
+    with functional._force_backend("blockwise") if spec["backend"] == "blockwise" else contextlib.nullcontext():
+        return rr.riemannian_attention(t["query"], t["key"], t["value"], enable_gqa=gqa,
+                                       block_sizes=spec["blocks"], **kw)
 
 
 @pytest.mark.parametrize("mask_kind", MASKS)

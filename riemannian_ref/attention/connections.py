@@ -527,10 +527,9 @@ def _attend(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metr
     """Attention without transport: the operator, or its dense reference when the weights are wanted."""
     if scores == "dot":
         if not return_weights:  # SDPA, with the mask as compact as the metric path keeps it where SDPA allows
-            if attn_mask is not None and is_causal and not _sdpa_takes_mask_and_causal(q.device):
-                attn_mask, is_causal = additive_mask(attn_mask, True, q.shape[-2], k.shape[-2], q), False
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+            from .functional import sdpa_mask_and_causal
+
+            return sdpa_mask_and_causal(q, k, v, attn_mask, is_causal, scale, dropout_p)
         s = (1.0 / math.sqrt(q.shape[-1])) if scale is None else scale
         S = s * q @ k.transpose(-1, -2)
         M = additive_mask(attn_mask, is_causal, q.shape[-2], k.shape[-2], q)

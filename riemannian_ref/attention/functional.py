@@ -3,7 +3,9 @@ r"""Riemannian attention, the function other code calls.
 :func:`riemannian_attention` has the signature of
 :func:`torch.nn.functional.scaled_dot_product_attention` plus the metric: it
 validates its inputs (errors name the argument), handles autocast and half
-precision, and dispatches to the blockwise operator (private,
+precision, and dispatches calls without per-token factors to
+``scaled_dot_product_attention`` (one metric for every pair is a dot product
+with a key bias), the others to the blockwise operator (private,
 :mod:`riemannian_ref.attention._blockwise`), which never holds more than one
 tile of scores, to Triton kernels for supported calls on CUDA tensors
 (private, :mod:`riemannian_ref.attention._triton`), or to the dense reference
@@ -157,8 +159,21 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     TF32), head dimensions up to 256, no dropout, and no float ``attn_mask``
     that requires grad (boolean masks, float masks without grad and
     ``is_causal`` are supported; ``block_sizes`` is not used there). Every
-    other call, and every CPU call, takes the blockwise PyTorch operator
-    above. Neither path has a double backward. The kernels are tested in
+    other call with a per-token factor, and every such CPU call, takes the
+    blockwise PyTorch operator above. Neither path has a double backward.
+
+    Calls without per-token factors and without dropout (``G = lam I``, or one
+    shared metric :math:`M = \lambda I + U U^\top` for every pair) are
+    exactly dot-product attention with a key bias
+    (:func:`~riemannian_ref.geometry.scores.dot_product_form`): they run on
+    ``scaled_dot_product_attention`` (queries :math:`M q_i`, the bias
+    :math:`-\tfrac{s}{2} k_j^\top M k_j` added to the mask), on every device,
+    with SDPA's kernels and, on those kernels, SDPA's double backward.
+
+    The dispatch table, in order: nothing to compute, the dense reference;
+    no per-token factor and no dropout, SDPA; CUDA with ``triton`` and a
+    supported call, the Triton kernels; dropout, the dense reference; else
+    the blockwise operator. The kernels are tested in
     Triton's interpreter against the dense reference; their speed on a GPU
     has not been measured.
     """
@@ -227,6 +242,14 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
     if _FORCED_BACKEND == "triton":  # tests: the kernels on any device (_force_backend)
         return _forced_triton(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t,
                               metric_side, per_q, per_k, batch, blocks, g)
+    if (_FORCED_BACKEND is None and dropout_p == 0.0 and not (per_q and U_q.shape[-1])
+            and not (per_k and U_k.shape[-1])):
+        # no per-token factor: one metric for every pair, i.e. dot-product attention with a key bias (exact)
+        if query.dtype in (torch.float16, torch.bfloat16):  # the expanded form cancels: float32, as everywhere
+            out = _sdpa_form(*_f32(query, key, value, attn_mask), is_causal, scale, _f32(U_q), _f32(U_k),
+                             _f32(lam_t), metric_side, batch, g)
+            return out.to(query.dtype)
+        return _sdpa_form(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, batch, g)
     if dropout_p == 0.0 and _triton_path(query, value, attn_mask, U_q, U_k):
         from . import _triton  # imports triton: only here, on first use
         return _triton.attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side,
@@ -289,6 +312,85 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
     return out.view(*batch, n_q, value.shape[-1])
 
 
+def _sdpa_form(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, batch, g):
+    r"""A call without per-token factors, on ``scaled_dot_product_attention``.
+
+    With one metric :math:`M = \lambda I + W W^\top` for every pair (``W`` the
+    shared factors, times :math:`\sqrt{1/2}` for the mean side, as the
+    blockwise operator joins them) the score is
+    :math:`-\tfrac{s}{2}(q_i - k_j)^\top M (q_i - k_j) = s\,\big((M q_i)^\top k_j
+    - \tfrac12 k_j^\top M k_j\big) - \tfrac{s}{2} q_i^\top M q_i`, and the
+    last term is constant along a softmax row
+    (:func:`~riemannian_ref.geometry.scores.dot_product_form`). The key term
+    rides in one extra coordinate, :math:`[M q_i, 1] \cdot [k_j, -\tfrac12
+    k_j^\top M k_j]`, so SDPA sees a plain dot product (its fused kernels,
+    which take no mask that requires grad, and its gradients) and the mask
+    stays the caller's, compact. Grouped-query calls go to SDPA with
+    ``enable_gqa`` while the key side has one head per key head.
+    """
+    w = 0.5 if metric_side == "mean" else 1.0
+    lam = lam_t[..., None, None] if lam_t.dim() else lam_t
+    Mq = lam * query
+    kMk = (lam_t[..., None] if lam_t.dim() else lam_t) * (key * key).sum(-1)  # [..., n_k]
+    for U in (U_k, U_q):
+        if U is not None and U.shape[-1]:
+            Mq = Mq + w * (query @ U) @ U.transpose(-1, -2)
+            kMk = kMk + w * (key @ U).square().sum(-1)
+    qa = torch.cat([Mq, torch.ones_like(Mq[..., :1])], -1)
+    kb = torch.broadcast_shapes(key.shape[:-1], kMk.shape)
+    ka = torch.cat([key.expand(*kb, key.shape[-1]), (-0.5 * kMk).expand(kb).unsqueeze(-1)], -1)
+    mask = _relative_mask(attn_mask, is_causal, query.shape[-2], key.shape[-2]) \
+        if attn_mask is not None and attn_mask.dtype != torch.bool else attn_mask
+    gqa = g > 1 and ka.shape[-3] == 1
+    if g > 1:  # views [..., h_kv, g] back to SDPA's layout: h_kv * g query heads
+        qa = qa.expand(*batch, *qa.shape[-2:]).flatten(-4, -3)
+        if gqa:
+            ka, value = ka.squeeze(-3), value.squeeze(-3)
+        else:  # the key side differs per query head (a shared query factor per query head, mean side)
+            ka = ka.expand(*batch, *ka.shape[-2:]).flatten(-4, -3)
+            value = value.expand(*batch, *value.shape[-2:]).flatten(-4, -3)
+        if mask is not None and mask.dim() >= 5:
+            mask = mask.expand(*batch, *mask.shape[-2:]).flatten(-4, -3)
+    else:
+        qa = qa.expand(*batch, *qa.shape[-2:])
+        ka, value = ka.expand(*batch, *ka.shape[-2:]), value.expand(*batch, *value.shape[-2:])
+    dv = value.shape[-1]
+    if dv != qa.shape[-1]:  # the fused kernels want one head size for q, k and v: zero columns on v
+        value = torch.cat([value, value.new_zeros(()).expand(*value.shape[:-1], qa.shape[-1] - dv)], -1) \
+            if dv < qa.shape[-1] else value
+        qa = torch.cat([qa, qa.new_zeros(()).expand(*qa.shape[:-1], value.shape[-1] - qa.shape[-1])], -1)
+        ka = torch.cat([ka, ka.new_zeros(()).expand(*ka.shape[:-1], value.shape[-1] - ka.shape[-1])], -1)
+    out = sdpa_mask_and_causal(qa, ka, value, mask, is_causal, scale, enable_gqa=gqa)[..., :dv]
+    return out.unflatten(-3, (-1, g)) if g > 1 else out
+
+
+def sdpa_mask_and_causal(q, k, v, attn_mask, is_causal, scale, dropout_p=0.0, enable_gqa=False):
+    """SDPA with a mask and ``is_causal`` together, the mask kept compact where SDPA's kernel takes the pair.
+
+    torch 2.13's fused CPU kernels apply both (top-left causal), its math
+    kernel (a mask that requires grad, inputs whose last dimension is not
+    contiguous, other devices) refuses the pair: there, and while
+    ``torch.compile`` traces, the causal part joins the mask, a
+    ``[..., n_q, n_k]`` tensor.
+    """
+    from .connections import _sdpa_takes_mask_and_causal
+    from .reference import additive_mask
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if attn_mask is not None and is_causal:
+        # (while tracing: one combined mask, which every kernel takes; the probe would run inside the graph)
+        if not torch.compiler.is_compiling() and _sdpa_takes_mask_and_causal(q.device):
+            try:
+                return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=True, scale=scale,
+                            enable_gqa=enable_gqa)
+            except RuntimeError as exc:  # the math kernel
+                if "is_causal" not in str(exc):
+                    raise
+        attn_mask, is_causal = additive_mask(attn_mask, True, q.shape[-2], k.shape[-2], q), False
+    return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa)
+
+
 def _relative_mask(attn_mask, is_causal: bool, n_q: int, n_k: int):
     """A float mask with each row relative to its largest visible entry, as the fast operators read it.
 
@@ -315,6 +417,8 @@ _FORCED_BACKEND: str | None = None  # set only by _force_backend
 def _force_backend(name: str):
     """Make every :func:`riemannian_attention` call in the block run on one backend (private, for tests).
 
+    ``_force_backend("blockwise")``: the CPU operator also for the calls that
+    would go to SDPA (no per-token factor), so its tests reach it.
     ``_force_backend("triton")``, in the spirit of
     ``torch.nn.attention.sdpa_kernel``: the dispatch sends every call with
     something to compute to the Triton kernels, on any device (CPU tensors
@@ -327,8 +431,8 @@ def _force_backend(name: str):
     Not thread-safe: it sets a module-level flag for the duration of the block.
     """
     global _FORCED_BACKEND
-    if name != "triton":
-        raise ValueError(f"backend must be 'triton' (the only backend that can be forced), got {name!r}")
+    if name not in ("triton", "blockwise"):
+        raise ValueError(f"backend must be 'triton' or 'blockwise' (the backends that can be forced), got {name!r}")
     before = _FORCED_BACKEND
     _FORCED_BACKEND = name
     try:

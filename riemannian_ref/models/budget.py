@@ -322,11 +322,26 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
             stored = n2 * (hd * (0.5 + 1 + tv + (1 if rq else 0)) + h * (rk + rq + 3))
             act["connection"] += stored
             pairwise += stored
-        elif not metric_scores:  # SDPA (FlashAttention-2: the backward recomputes the scores)
-            a["matmul_fwd"] += 4 * n2 * hd
-            a["matmul_bwd"] += 10 * n2 * hd
+        elif not metric_scores or not per_token:
+            # SDPA (FlashAttention-2: the backward recomputes the scores); one metric for every pair runs there
+            # too, on the dot-product form: M q per query, (k W)^2 per key for each shared factor W
+            hs = h * (d + 1) if metric_scores else hd  # the dot-product form's head size is d + 1
+            a["matmul_fwd"] += 4 * n2 * hs
+            a["matmul_bwd"] += 10 * n2 * hs
             a["elementwise_fwd"] += 5 * n2 * h
             a["elementwise_bwd"] += 8 * n2 * h
+            if metric_scores:
+                rs = r * (2 if cfg.metric_side == "mean" else 1)
+                a["matmul_fwd"] += 6 * n * hd * rs
+                a["matmul_bwd"] += 12 * n * hd * rs
+                # SDPA keeps [M q, 1], [k, -kMk/2], the zero-padded v and its output (head size d + 1), besides
+                # M q and the products with the factors
+                act["attention"] += 4 * n * h * (d + 1) + n * hd + 2 * n * h * rs
+            if conn == "flat":  # rotate q, k, v, the factors and the output: O(n d r)
+                c = parts["connection"]
+                c["elementwise_fwd"] += 3 * n * hd * 4
+                c["elementwise_bwd"] += 6 * n * hd * 4
+                act["connection"] += n * hd  # the rotation tables
         else:  # the blockwise operator: stacked products of inner size d + 2, P [V | 1], recomputing backward
             score = 2 * n2 * h * ((d + 2) * (1 + rk) + (rq * (d + 1) if rq else 0))
             a["matmul_fwd"] += score + 2 * n2 * h * (d + 1)
@@ -334,10 +349,6 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
                                 + 4 * n2 * h * ((d + 2) * (1 + rk) + (rq * (d + 1) if rq else 0)))
             a["elementwise_fwd"] += n2 * h * (3 + 2 * (rk + rq))
             a["elementwise_bwd"] += n2 * h * (5 + 4 * (rk + rq))
-            if cfg.shared_metric and r:  # shared factors fold into M: (k W) W^T per key, (q W) W^T per query
-                rs = r * (2 if cfg.metric_side == "mean" else 1)
-                a["matmul_fwd"] += 8 * n * hd * rs
-                a["matmul_bwd"] += 20 * n * hd * rs
             if conn == "flat":  # rotate q, k, v, the factors and the output: O(n d r)
                 c = parts["connection"]
                 c["elementwise_fwd"] += 3 * n * hd * (4 + rk + rq)
