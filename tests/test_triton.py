@@ -279,3 +279,32 @@ def test_rows_whose_scores_are_all_far_below_zero(gen):
     ins[0] = ins[0] + 12.0  # |q - k|^2 ~ 16 * 144: exp of the raw scores underflows in float32
     out, *grads = check_against_reference(ins, None, True, "key")
     assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_compiled_fullgraph_keeps_the_kernels_as_one_op(gen):
+    """torch.compile(fullgraph=True) traces the Triton path as the custom op riemannian_ref::triton_attention
+    (what a compiled model on CUDA runs), forward and backward equal to the eager kernels and the reference."""
+    q, k, v, lam, _, Uk = make(gen, "key", nq=20, nk=20)
+    keep = key_padding(gen, 1, 20)
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    fn = torch.compile(lambda *a: rr.riemannian_attention(*a[:3], keep, is_causal=True, U_k=a[3], lam=a[4]),
+                       fullgraph=True, backend=record)
+    res = {}
+    for name in ("compiled", "eager", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, Uk, lam)]
+        if name == "reference":
+            out = rr.riemannian_attention_reference(*leaves[:3], keep, is_causal=True, U_k=leaves[3], lam=leaves[4])
+        else:
+            with functional._force_backend("triton"):
+                out = (fn if name == "compiled" else
+                       (lambda *a: rr.riemannian_attention(*a[:3], keep, is_causal=True, U_k=a[3], lam=a[4])))(*leaves)
+        res[name] = (out, *torch.autograd.grad(out.square().sum(), leaves))
+    assert any("riemannian_ref.triton_attention.default" in g for g in graphs)
+    for c, e, r in zip(res["compiled"], res["eager"], res["reference"]):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)  # the same kernels
+        torch.testing.assert_close(c, r, rtol=1e-4, atol=1e-4)

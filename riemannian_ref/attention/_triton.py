@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -191,8 +192,8 @@ def attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam
     rq = Uqt.shape[1] if Uqt is not None else 0
     blocks = default_blocks(d, dv, rk, rq) if blocks is None else _check_blocks(blocks)
     mflat, mids, mrows = _mask_rows(attn_mask, batch, is_causal, n_q, n_k) if attn_mask is not None else (None,) * 3
-    out = _TritonAttentionFn.apply(qf, kf, vf, lamf, Ukt, Uqt, mflat, mids, mrows, bool(is_causal), float(scale), w,
-                                   blocks, g)
+    fn = _TracedTritonAttentionFn if torch.compiler.is_compiling() else _TritonAttentionFn
+    out = fn.apply(qf, kf, vf, lamf, Ukt, Uqt, mflat, mids, mrows, bool(is_causal), float(scale), w, blocks, g)
     return out.view(*batch, n_q, dv)
 
 
@@ -268,6 +269,89 @@ class _TritonAttentionFn(torch.autograd.Function):
             _fitting_blocks(launch_dq, blocks)
         dlam = dlam_part[0].sum(-1).to(lam.dtype) if ctx.needs_input_grad[3] else None
         return dq, dk, dv, dlam, dUk, dUq, None, None, None, None, None, None, None, None
+
+
+# --------------------------------------------------------------- the kernels as custom ops, for torch.compile
+# Traced code (torch.compile, torch.export) calls the kernels through these ops, which the graph records as
+# single nodes (fake implementations give the shapes; the autograd formula calls the backward op), so a
+# compiled model keeps them in one graph; eager calls use _TritonAttentionFn itself. Same code either way.
+@torch.library.custom_op("riemannian_ref::triton_attention", mutates_args=())
+def _triton_attention(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, Ukt: Optional[Tensor], Uqt: Optional[Tensor],
+                      mask: Optional[Tensor], mask_ids: Optional[Tensor], mask_rows: Optional[Tensor], causal: bool,
+                      scale: float, w: float, blocks: Sequence[int], group: int) -> tuple[Tensor, Tensor]:
+    """The kernels' forward: (output (Bf, n_q, dv), row log-sum-exp in base 2, float32 (Bf, n_q))."""
+    from ._op import _Ctx
+
+    ctx = _Ctx()
+    out = _TritonAttentionFn.forward(ctx, q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w,
+                                     tuple(blocks), group)
+    return out, ctx.saved_tensors[10]
+
+
+@_triton_attention.register_fake
+def _triton_attention_fake(q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w, blocks, group):
+    return (q.new_empty(q.shape[0], q.shape[1], v.shape[2]),
+            q.new_empty(q.shape[0], q.shape[1], dtype=torch.float32))
+
+
+@torch.library.custom_op("riemannian_ref::triton_attention_backward", mutates_args=())
+def _triton_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, lam: Tensor, Ukt: Optional[Tensor],
+                               Uqt: Optional[Tensor], mask: Optional[Tensor], mask_ids: Optional[Tensor],
+                               mask_rows: Optional[Tensor], out: Tensor, lse: Tensor, causal: bool, scale: float,
+                               w: float, blocks: Sequence[int], group: int, need_lam: bool) -> list[Tensor]:
+    """Gradients ``[dq, dk, dv, dlam, dUk, dUq]``; an empty tensor where there is none."""
+    from ._op import _Ctx
+
+    ctx = _Ctx((q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, out, lse),
+               (causal, scale, w, tuple(blocks), group), (True, True, True, need_lam))
+    with torch.no_grad():
+        grads = _TritonAttentionFn.backward(ctx, dout)[:6]
+    return [g if g is not None else q.new_empty(0) for g in grads]
+
+
+@_triton_attention_backward.register_fake
+def _triton_attention_backward_fake(dout, q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, out, lse, causal,
+                                    scale, w, blocks, group, need_lam):
+    def like(t, need=True):
+        return torch.empty_like(t) if need and t is not None else q.new_empty(0)
+
+    return [torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), like(lam, need_lam), like(Ukt),
+            like(Uqt)]
+
+
+def _triton_setup_context(ctx, inputs, output):
+    q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w, blocks, group = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, out, lse)
+    ctx.consts = (causal, scale, w, tuple(blocks), group)
+    ctx.need_lam = ctx.needs_input_grad[3]
+    ctx.mark_non_differentiable(lse)
+
+
+def _triton_backward(ctx, dout, dlse):
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "riemannian_attention: the Triton kernels have no double backward (create_graph=True, e.g. a "
+            "gradient penalty); use riemannian_ref.attention.riemannian_attention_reference, the dense path, "
+            "for that")
+    q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, out, lse = ctx.saved_tensors
+    causal, scale, w, blocks, group = ctx.consts
+    g = _triton_attention_backward(dout, q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, out, lse, causal,
+                                   scale, w, list(blocks), group, ctx.need_lam)
+    present = (True, True, True, ctx.need_lam, Ukt is not None, Uqt is not None)
+    return (*[t if p else None for t, p in zip(g, present)], *([None] * 8))
+
+
+_triton_attention.register_autograd(_triton_backward, setup_context=_triton_setup_context)
+
+
+class _TracedTritonAttentionFn:
+    """``_TritonAttentionFn`` for a trace: ``apply`` takes the same arguments and calls the custom op."""
+
+    @staticmethod
+    def apply(q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w, blocks, group) -> Tensor:
+        return _triton_attention(q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w, list(blocks),
+                                 group)[0]
 
 
 def _device_of(t: Tensor):

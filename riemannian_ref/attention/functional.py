@@ -138,7 +138,9 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     (private, :mod:`riemannian_ref.attention._op`, with fake implementations
     and the autograd formula), which a trace records as single nodes, so a
     model compiles through it, with ``fullgraph=True`` too, forward and
-    backward; eager calls run the same operator without the op layer.
+    backward; eager calls run the same operator without the op layer. The
+    Triton kernels are wrapped the same way (``riemannian_ref::triton_attention``),
+    and the SDPA path is SDPA itself.
 
     Dropout: ``dropout_p > 0`` takes the dense reference path (see above),
     in float32 at least;
