@@ -230,11 +230,7 @@ class _TritonAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        if torch.is_grad_enabled():  # backward(create_graph=True)
-            raise RuntimeError(
-                "riemannian_attention: the Triton kernels have no double backward (create_graph=True, e.g. a "
-                "gradient penalty); use riemannian_ref.attention.riemannian_attention_reference, the dense path, "
-                "for that (or set RR_DISABLE_TRITON=1 for the PyTorch operator, which has none either)")
+        _refuse_double_backward()
         q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, out, lse = ctx.saved_tensors
         causal, scale, w, blocks, group = ctx.consts
         Bf, n_q, d = q.shape
@@ -329,11 +325,7 @@ def _triton_setup_context(ctx, inputs, output):
 
 
 def _triton_backward(ctx, dout, dlse):
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "riemannian_attention: the Triton kernels have no double backward (create_graph=True, e.g. a "
-            "gradient penalty); use riemannian_ref.attention.riemannian_attention_reference, the dense path, "
-            "for that")
+    _refuse_double_backward()
     q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, out, lse = ctx.saved_tensors
     causal, scale, w, blocks, group = ctx.consts
     g = _triton_attention_backward(dout, q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, out, lse, causal,
@@ -352,6 +344,15 @@ class _TracedTritonAttentionFn:
     def apply(q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w, blocks, group) -> Tensor:
         return _triton_attention(q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scale, w, list(blocks),
                                  group)[0]
+
+
+def _refuse_double_backward() -> None:
+    """The kernels' backward is not differentiable: backward(create_graph=True) gets a RuntimeError saying so."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "riemannian_attention: the Triton kernels have no double backward (create_graph=True, e.g. a "
+            "gradient penalty); use riemannian_ref.attention.riemannian_attention_reference, the dense path, "
+            "for that (or set RR_DISABLE_TRITON=1 for the PyTorch operator, which has none either)")
 
 
 def _device_of(t: Tensor):
