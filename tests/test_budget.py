@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import riemannian_ref as rr
+from riemannian_ref.attention import _content_cpu
 from riemannian_ref.models.budget import estimate_cost
 
 aten = torch.ops.aten
@@ -55,15 +56,23 @@ def saved_bytes(model, idx):
     return sum(seen.values())
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-content", "dense-content"])
 @pytest.mark.parametrize("extra", CONFIGS, ids=lambda e: "-".join(map(str, e.values())))
-def test_matmul_flops_and_activations_match_what_runs(extra):
+def test_matmul_flops_and_activations_match_what_runs(extra, fused, monkeypatch):
+    content = rr.FiberBundleConfig.tiny(**extra).connection_resolved in ("content", "content_source")
+    if not fused:
+        if not content:
+            pytest.skip("the switch only changes the content connections")
+        monkeypatch.setenv("RR_DISABLE_CKERNEL", "1")  # the dense path, as on CUDA or without a C compiler
+    elif content and not _content_cpu.available():
+        pytest.skip(f"no fused content kernel here: {_content_cpu.unavailable_reason()}")
     torch.manual_seed(0)
     n = 40
     cfg = rr.FiberBundleConfig.tiny(block_size=n, metric_rank=3, **extra)
     model = rr.FiberBundleTransformer(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, n))
     fwd, bwd = counted_flops(model, idx)
-    cost = estimate_cost(cfg, n, batch=2)
+    cost = estimate_cost(cfg, n, batch=2, fused_content=fused)
     tot = cost["flops"]["total"]
     # the math path does not recompute the scores in its backward, FlashAttention-2 does (2 n^2 hd per layer)
     on_sdpa = cfg.mode == "euclidean" or (cfg.shared_metric and cfg.connection != "content")
@@ -85,8 +94,9 @@ def test_pairwise_terms_and_memory_scale_as_expected():
     assert skip["flops"]["attention"]["total"] < 0.75 * att2  # the pairwise part halves
     assert c2["memory"]["pairwise"] == 0  # the operator recomputes: nothing pairwise is kept
     fb = rr.FiberBundleConfig.small(mode="fiber_bundle")
-    p1, p2 = estimate_cost(fb, 256)["memory"]["pairwise"], estimate_cost(fb, 512)["memory"]["pairwise"]
-    assert p2 == pytest.approx(4 * p1) and p1 > 0  # the content connection keeps O(n^2 d) per layer
+    assert estimate_cost(fb, 4096)["memory"]["pairwise"] == 0  # the fused content kernel recomputes its rows
+    p1, p2 = (estimate_cost(fb, n, fused_content=False)["memory"]["pairwise"] for n in (256, 512))
+    assert p2 == pytest.approx(4 * p1) and p1 > 0  # the content connection's dense path keeps O(n^2 d) per layer
     half = estimate_cost(base, 1024, dtype_bytes=2)["memory"]
     assert sum(half["activations"].values()) * 2 == pytest.approx(sum(c2["memory"]["activations"].values()))
     eu = estimate_cost(base.replace(mode="euclidean"), 1024)["flops"]

@@ -599,6 +599,16 @@ def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k
     """:func:`_content_attention_f32` in float32 at least: half-precision inputs (autocast) are upcast, as the
     operator does, since the expanded distance and the complex rotations need the precision; the result
     comes back in the input dtype."""
+    if _fused_ok(q, attn_mask, dropout_p, return_weights):
+        from ._content_cpu import content_attention
+
+        up = (lambda t: t.float() if isinstance(t, Tensor) and t.is_floating_point() else t) \
+            if q.dtype in (torch.float16, torch.bfloat16) else (lambda t: t)  # noqa: E731
+        scale_f = (1.0 / math.sqrt(q.shape[-1])) if scale is None else float(scale)
+        _check_content_rates(rates, q)
+        out = content_attention(up(q), up(k), up(v), up(attn_mask), is_causal, scale_f, up(U_q), up(U_k), up(lam),
+                                metric_side, scores, up(rates), up(p), transport_values, rule)
+        return out.to(q.dtype)
     if q.dtype not in (torch.float16, torch.bfloat16):
         return _content_attention_f32(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side,
                                       scores, rates, p, transport_values, return_weights, rule)
@@ -607,6 +617,32 @@ def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k
                                  up(lam), metric_side, scores, up(rates), up(p), transport_values, return_weights,
                                  rule)
     return tuple(t.to(q.dtype) for t in res) if return_weights else res.to(q.dtype)
+
+
+def _fused_ok(q: Tensor, attn_mask, dropout_p: float, return_weights: bool) -> bool:
+    """Whether a content-connection call runs on the fused O(n d)-memory CPU kernel (``_content_cpu``).
+
+    CPU tensors, no dropout, no weights wanted, no mask that requires grad, not
+    while ``torch.compile`` traces, and a C compiler that built the kernel;
+    everything else takes the dense path below.
+    """
+    if q.device.type != "cpu" or dropout_p > 0.0 or return_weights or torch.compiler.is_compiling():
+        return False
+    if isinstance(attn_mask, Tensor) and attn_mask.requires_grad:
+        return False
+    from ._content_cpu import available
+
+    return available(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+def _check_content_rates(rates, q: Tensor) -> None:
+    n, d = q.shape[-2], q.shape[-1]
+    if rates is None:
+        raise ValueError("a content connection needs rates: the per-token rates omega_j, shape [..., n, d/2]")
+    if rates.dim() < 2 or rates.shape[-2:] != (n, d // 2):
+        raise ValueError(f"rates for the content connection must have shape [..., n, d/2] = [..., {n}, {d // 2}], "
+                         f"got {shape_str(rates)}")
+    broadcast_batch({"rates.shape[:-2]": rates.shape[:-2], "query.shape[:-2]": q.shape[:-2]})
 
 
 def _content_attention_f32(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side, scores,
@@ -621,12 +657,7 @@ def _content_attention_f32(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q,
     transported keys :math:`P k_j` themselves.
     """
     n, d = q.shape[-2], q.shape[-1]
-    if rates is None:
-        raise ValueError("a content connection needs rates: the per-token rates omega_j, shape [..., n, d/2]")
-    if rates.dim() < 2 or rates.shape[-2:] != (n, d // 2):
-        raise ValueError(f"rates for the content connection must have shape [..., n, d/2] = [..., {n}, {d // 2}], "
-                         f"got {shape_str(rates)}")
-    broadcast_batch({"rates.shape[:-2]": rates.shape[:-2], "query.shape[:-2]": q.shape[:-2]})
+    _check_content_rates(rates, q)
     scale_f = (1.0 / math.sqrt(d)) if scale is None else float(scale)
     phi = transport_angles(rates, p, rule)  # angle of P_{j->i}              (..., n_i, n_j, d/2)
     # P_{j->i}^T q_i, P_{j->i} k_j (a query-side metric only), P_{j->i} v_j (transported values)  (..., n_i, n_j, d)

@@ -214,7 +214,8 @@ def _parameter_total(config: FiberBundleConfig) -> int:
 
 
 def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batch: int = 1,
-                  causal_skip: bool = False, dtype_bytes: int = 4, optimizer_states: int = 2) -> dict:
+                  causal_skip: bool = False, dtype_bytes: int = 4, optimizer_states: int = 2,
+                  fused_content: bool = True) -> dict:
     r"""FLOPs and memory of one training step (forward and backward), by component, as this package runs it.
 
     The whole-cost model of chapter 6. Components: ``"attention"`` (the
@@ -222,7 +223,7 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
     the metric's rank products, softmax, the mix of the values),
     ``"metric"`` (the metric network, :math:`r\,D\,hd` multiply-adds per token
     and layer), ``"connection"`` (the rate network and the transport: rotations
-    for ``"flat"``, every pair densely for ``"content"``), ``"ffn"``,
+    for ``"flat"``, every pair's angles for ``"content"``), ``"ffn"``,
     ``"ffn_metric"`` (the metric of the preconditioned FFN and its Woodbury
     solve) and ``"head"``.
 
@@ -232,8 +233,10 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
     blockwise operator with its stacked products of inner size ``d + 2``
     (``1 + r`` of them per key, ``r`` more per query for ``"query"`` and
     ``"mean"``), its ``P [V | 1]`` and ``[dO | -D] [V | 1]^T`` products and a
-    backward that recomputes the scores; the content connection's dense
-    einsums; every linear layer's backward twice its forward. Elementwise work
+    backward that recomputes the scores; the content connection's fused
+    CPU kernel (no matrix products but the :math:`O(n d r)` ones around it),
+    or its dense einsums (``fused_content=False``); every linear layer's
+    backward twice its forward. Elementwise work
     (softmax, squares, rotations, the transport of every pair) is an estimate
     at one FLOP per scalar operation, reported apart: it is what a fused GPU
     kernel hides and a CPU pays.
@@ -241,9 +244,9 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
     Memory counts what a training step holds: parameters, their gradients and
     ``optimizer_states`` copies (Adam: 2), and the activations autograd keeps
     for the backward (elements, times ``dtype_bytes``). Pairwise activations
-    are zero for SDPA and the blockwise operator (they recompute) and
-    :math:`O(n^2 hd)` per layer for the content connection, which transports
-    every pair densely.
+    are zero for SDPA, the blockwise operator and the fused content kernel
+    (they recompute) and :math:`O(n^2 hd)` per layer for the content
+    connection's dense path, which transports every pair with autograd.
 
     Parameters
     ----------
@@ -261,6 +264,11 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
         Bytes per stored number (4: float32; 2: bfloat16 activations).
     optimizer_states : int
         Optimizer state tensors per parameter (Adam: 2; SGD: 0).
+    fused_content : bool
+        The content connections as the fused CPU kernel runs them (default:
+        every pairwise term elementwise, nothing pairwise stored), or as the
+        dense path does (``False``: CUDA tensors, a CPU without a C compiler,
+        ``RR_DISABLE_CKERNEL=1``, dropout or returned weights).
 
     Returns
     -------
@@ -302,7 +310,29 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
         linear("attention", hd, D)  # output
         act["attention"] += 5 * n * hd + n * h  # q, k, v, the output, its reshaped copy; row statistics
         act["norms"] += 4 * n * D if cfg.layer_norm else 0  # each LayerNorm keeps its input and output
-        if conn == "content":
+        if conn in ("content", "content_source") and fused_content:
+            # the fused CPU kernel (attention/_content_kernel.c): per query row, the angles, their cosines and
+            # sines, the rotated query and its products with [k_j | U_kj] (and, for a query-side metric,
+            # the rotated U_qi with k_j), the softmax and the transported values, all elementwise; its
+            # backward recomputes the row. Only the O(n d r) terms around it are matrix products.
+            linear("connection", D, hd // 2)  # the rate network
+            c = parts["connection"]
+            a["matmul_fwd"] += 2 * n * hd * (rk + rq)  # U_kj^T k_j, U_qi^T q_i
+            a["matmul_bwd"] += 4 * n * hd * (rk + rq)
+            tv = 1 if cfg.transport_values else 0
+            half = n2 * hd / 2  # (query, key, pair) triples
+            # per triple: the query turned (6), 4 per key-side column, 10 per query-side column, 8 for a
+            # transported value; per pair: the score and the softmax
+            a["elementwise_fwd"] += half * (6 + 4 * (1 + rk) + 10 * rq + 8 * tv) + n2 * h * (6 + 3 * (rk + rq))
+            a["elementwise_bwd"] += half * (6 + 14 * (1 + rk) + 16 * rq + 18 * tv + 4) \
+                + n2 * h * (12 + 6 * (rk + rq))
+            c["elementwise_fwd"] += half * 33  # the angle (3) and its cosine and sine (a polynomial: 30)
+            c["elementwise_bwd"] += half * 36  # the same, recomputed, and the rate gradients
+            # kept for the backward: [k | U_k] and the values with keys innermost, the output and row
+            # log-sum-exp, |q|^2, |k|^2 and the factor products; the rates in both layouts, the positions
+            act["attention"] += n * hd * (1 + rk + tv + rq) + n * h * (3 + rk + rq)
+            act["connection"] += n * hd + n
+        elif conn in ("content", "content_source"):
             # every pair transported densely (autograd): one pairwise rotation of the queries, whose
             # products with [k_j | U_kj] give the dot products and the key-side metric terms; P k_j for a
             # query-side metric; the mix of transported values; rotations are complex products
