@@ -9,7 +9,7 @@ pair, ``[..., n, n, d]`` tensors. This operator computes the same function a
 query row at a time in a small C kernel (``_content_kernel.c``): the row's
 angles, their cosines and sines, the rank products and the softmax live in
 ``O(n (d + r))`` scratch per thread, and the backward recomputes them from the
-inputs and the row's log-sum-exp, as FlashAttention recomputes its tiles
+inputs (the row maximum and sum again), as FlashAttention recomputes its tiles
 :cite:`dao2022flashattention`. Nothing pairwise is stored, in either pass.
 
 The kernel is plain C (no Python or torch headers): it is compiled on first
@@ -71,7 +71,8 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "riemannian_ref"
 
 
-def _compile(dtype: torch.dtype) -> ctypes.CDLL | None:
+def _compile(dtype: torch.dtype, native: bool = True) -> ctypes.CDLL | None:
+    """Build (or find in the cache) and load the kernel; ``native=False`` targets the baseline ISA (tests)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         _ERROR.append("no C compiler (cc, gcc or clang) on PATH")
@@ -85,7 +86,7 @@ def _compile(dtype: torch.dtype) -> ctypes.CDLL | None:
     flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", f"-DRR_REAL={real}"]
     if dtype == torch.float64:
         flags.append("-DRR_DOUBLE")
-    if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
+    if native and platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
         flags.insert(1, "-march=native" if platform.machine().lower() in ("x86_64", "amd64") else "-mcpu=native")
     key = hashlib.sha256("\0".join([_SRC.read_text(), version, " ".join(flags), _cpu_id(), sys.platform])
                          .encode()).hexdigest()[:20]

@@ -25,7 +25,7 @@
  *
  * Nothing pairwise is stored: a row keeps cos/sin of its angles [H][n], its
  * scores and probabilities [n]; the backward recomputes them from the inputs
- * and the row's log-sum-exp.  Memory O(n (H + r)) per thread.
+ * and the row's maximum and sum.  Memory O(n (H + r)) per thread.
  *
  * Portable results: no fast-math and no FP contraction (the build passes
  * -ffp-contract=off), every reduction over keys runs in LANES fixed lanes
@@ -367,10 +367,21 @@ int rr_content_backward(int64_t b0, int64_t b1, int64_t n, int64_t H, int64_t rk
                     for (int64_t j = 0; j < jn; j++) w.DP[j] += g * vc[j];
                 }
             }
-            /* dS and the gradients of the products */
+            /* The row's probabilities exactly as the forward made them (its maximum and sum again, not
+             * exp(S - lse): next to a mask of -1e308 the log-sum-exp has no digit left for log(sum)),
+             * then dS and the gradients of the products. */
+            real mx = -INFINITY;
+            for (int64_t j = 0; j < jn; j++) mx = w.S[j] > mx ? w.S[j] : mx;
+            real acc[LANES] = {0};
+            for (int64_t j = 0; j < jn; j++) {
+                real p = rr_exp(w.S[j] - mx);
+                w.P[j] = p;
+                acc[j % LANES] += p;
+            }
+            const real inv = (real)1 / lane_total(acc);
             RR_IVDEP
             for (int64_t j = 0; j < jn; j++) {
-                real p = w.S[j] == -INFINITY ? (real)0 : rr_exp(w.S[j] - L);
+                real p = w.P[j] * inv;
                 w.P[j] = p;
                 w.S[j] = p * (w.DP[j] - Dsum); /* S now holds dS */
             }
