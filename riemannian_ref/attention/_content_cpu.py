@@ -83,7 +83,7 @@ def _compile(dtype: torch.dtype, native: bool = True) -> ctypes.CDLL | None:
         _ERROR.append(f"{cc} --version failed: {exc}")
         return None
     real = "double" if dtype == torch.float64 else "float"
-    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", f"-DRR_REAL={real}"]
+    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-Wno-psabi", f"-DRR_REAL={real}"]
     if dtype == torch.float64:
         flags.append("-DRR_DOUBLE")
     if native and platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
@@ -114,7 +114,7 @@ def _compile(dtype: torch.dtype, native: bool = True) -> ctypes.CDLL | None:
         _ERROR.append(f"could not load {target}: {exc}")
         return None
     i64, ptr, dbl, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double, ctypes.c_int
-    common = [i64] * 7 + [ptr] * 13 + [ptr, i64, dbl, dbl, dbl, cint]
+    common = [i64] * 8 + [ptr] * 13 + [ptr, i64, dbl, dbl, dbl, cint]
     lib.rr_content_forward.argtypes = common + [ptr, ptr]
     lib.rr_content_backward.argtypes = common + [ptr] * 3 + [ptr] * 11
     lib.rr_content_forward.restype = lib.rr_content_backward.restype = cint
@@ -166,10 +166,11 @@ def _run(fn, B: int, work: int) -> None:
 class ContentAttentionFn(torch.autograd.Function):
     """The fused row kernel with its backward; inputs flat over the batch, contiguous, one dtype.
 
-    q [B, n, d]; KW [B, 1+rk, d/2, 2, n] (``[k_j | U_kj]`` with keys innermost);
-    Uq [B, n, rq, d] or None; VT [B, d/2, 2, n] (transported values) or
-    [B, dv, n]; rates [B, n, d/2]; pos [B, n]; lam [B]; qq, kk [B, n]
-    (:math:`|q_i|^2`, :math:`|k_j|^2`); cK [B, rk, n] (:math:`U_{kj}^\\top k_j`);
+    Key-side arrays have the keys innermost, zero-padded to ``np``, a multiple
+    of 8. q [B, n, d]; KW [B, 1+rk, d/2, 2, np] (``[k_j | U_kj]``);
+    Uq [B, n, rq, d] or None; VT [B, d/2, 2, np] (transported values) or
+    [B, dv, np]; rates [B, n, d/2]; pos [B, np]; lam [B]; qq [B, n], kk [B, np]
+    (:math:`|q_i|^2`, :math:`|k_j|^2`); cK [B, rk, np] (:math:`U_{kj}^\\top k_j`);
     eQ [B, n, rq] (:math:`U_{qi}^\\top q_i`); mask [Bm, 1|n, n] additive (or
     None) with ``mask_id`` [B] its row per batch element. ``flags``: CAUSAL |
     SOURCE | DOT | TV. The caller builds KW, cK, ... from q, k, U with autograd,
@@ -179,22 +180,22 @@ class ContentAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, KW, Uq, VT, rates, pos, lam, qq, kk, cK, eQ, mask, mask_id, scale, wk, wq, flags):
         B, n, d = q.shape
-        H, rk = d // 2, KW.shape[1] - 1
+        H, rk, np_ = d // 2, KW.shape[1] - 1, KW.shape[-1]
         rq = Uq.shape[2] if Uq is not None else 0
         dv = d if flags & TV else VT.shape[1]
         lib = library(q.dtype)
-        ratesT = rates.transpose(1, 2).contiguous()
+        ratesT = _pad(rates.transpose(1, 2), np_).contiguous()
         out = q.new_empty(B, n, dv)
-        lse = q.new_empty(B, n)
+        seen = q.new_empty(B, n)
         mrows = mask.shape[1] if mask is not None else 0
         ptrs = (_p(q), _p(KW), _p(Uq), _p(VT), _p(rates), _p(ratesT), _p(pos), _p(lam), _p(qq), _p(kk), _p(cK),
                 _p(eQ), _p(mask), _p(mask_id), mrows, scale, wk, wq, flags)
 
         def fwd(b0, b1):
-            return lib.rr_content_forward(b0, b1, n, H, rk, rq, dv, *ptrs, _p(out), _p(lse))
+            return lib.rr_content_forward(b0, b1, n, np_, H, rk, rq, dv, *ptrs, _p(out), _p(seen))
 
         _run(fwd, B, n * n * H)
-        ctx.save_for_backward(q, KW, Uq, VT, rates, ratesT, pos, lam, qq, kk, cK, eQ, mask, mask_id, out, lse)
+        ctx.save_for_backward(q, KW, Uq, VT, rates, ratesT, pos, lam, qq, kk, cK, eQ, mask, mask_id, out, seen)
         ctx.consts = (scale, wk, wq, flags)
         return out
 
@@ -204,10 +205,10 @@ class ContentAttentionFn(torch.autograd.Function):
             raise RuntimeError(
                 "connection_attention: the fused content-connection kernel has no double backward "
                 "(create_graph=True); set RR_DISABLE_CKERNEL=1 to run the dense path, which has one")
-        q, KW, Uq, VT, rates, ratesT, pos, lam, qq, kk, cK, eQ, mask, mask_id, out, lse = ctx.saved_tensors
+        q, KW, Uq, VT, rates, ratesT, pos, lam, qq, kk, cK, eQ, mask, mask_id, out, seen = ctx.saved_tensors
         scale, wk, wq, flags = ctx.consts
         B, n, d = q.shape
-        H, rk = d // 2, KW.shape[1] - 1
+        H, rk, np_ = d // 2, KW.shape[1] - 1, KW.shape[-1]
         rq = Uq.shape[2] if Uq is not None else 0
         dv = out.shape[-1]
         lib = library(q.dtype)
@@ -218,16 +219,22 @@ class ContentAttentionFn(torch.autograd.Function):
         dlam, dqq, dkk, dcK, deQ = z(lam), z(qq), z(kk), z(cK), z(eQ)
         mrows = mask.shape[1] if mask is not None else 0
         ptrs = (_p(q), _p(KW), _p(Uq), _p(VT), _p(rates), _p(ratesT), _p(pos), _p(lam), _p(qq), _p(kk), _p(cK),
-                _p(eQ), _p(mask), _p(mask_id), mrows, scale, wk, wq, flags, _p(out), _p(lse), _p(dout),
+                _p(eQ), _p(mask), _p(mask_id), mrows, scale, wk, wq, flags, _p(out), _p(seen), _p(dout),
                 _p(dq), _p(dKW), _p(dUq), _p(dVT), _p(drates), _p(dratesT), _p(dlam), _p(dqq), _p(dkk), _p(dcK),
                 _p(deQ))
 
         def bwd(b0, b1):
-            return lib.rr_content_backward(b0, b1, n, H, rk, rq, dv, *ptrs)
+            return lib.rr_content_backward(b0, b1, n, np_, H, rk, rq, dv, *ptrs)
 
         _run(bwd, B, n * n * H)
-        drates = drates + dratesT.transpose(1, 2)
+        drates = drates + dratesT[..., :n].transpose(1, 2)
         return (dq, dKW, dUq, dVT, drates, None, dlam, dqq, dkk, dcK, deQ, None, None, None, None, None, None)
+
+
+def _pad(x: Tensor, np_: int) -> Tensor:
+    """Zeros appended to the last (key) axis up to ``np_`` (a multiple of the kernel's 8 lanes)."""
+    extra = np_ - x.shape[-1]
+    return x if extra == 0 else torch.nn.functional.pad(x, (0, extra))
 
 
 def content_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float,
@@ -268,18 +275,19 @@ def content_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
     Uq = tokens(U_q, per_q) if (U_q is not None and not dot and side in ("query", "mean")) else None
     rk = Uk.shape[-1] if Uk is not None else 0
     rq = Uq.shape[-1] if Uq is not None else 0
+    np_ = -(-n // 8) * 8  # keys padded with zeros to the kernel's 8 lanes
     W = kf.unsqueeze(-1) if not rk else torch.cat((kf.unsqueeze(-1), Uk), -1)  # [B, n, d, 1+rk]
-    KW = W.permute(0, 3, 2, 1).reshape(B, 1 + rk, H, 2, n).contiguous()
+    KW = _pad(W.permute(0, 3, 2, 1), np_).reshape(B, 1 + rk, H, 2, np_).contiguous()
     vf = flat(v, 2)
-    VT = vf.transpose(1, 2).contiguous()  # [B, d, n] = [B, H, 2, n] or [B, dv, n]
+    VT = _pad(vf.transpose(1, 2), np_).contiguous()  # [B, d, np] = [B, H, 2, np], or [B, dv, np]
     if transport_values:
-        VT = VT.view(B, H, 2, n)
+        VT = VT.view(B, H, 2, np_)
     rf = flat(rates, 2).contiguous()
-    pf = p.expand(*batch, n).reshape(B, n).to(q.dtype).contiguous()
+    pf = _pad(p.expand(*batch, n).reshape(B, n).to(q.dtype), np_).contiguous()
     lamf = lam_t.expand(batch).reshape(B).contiguous()
     qq = (qf * qf).sum(-1)
-    kk = (kf * kf).sum(-1)
-    cK = torch.einsum("bjdt,bjd->btj", Uk, kf).contiguous() if rk else q.new_zeros(B, 0, n)
+    kk = _pad((kf * kf).sum(-1), np_).contiguous()
+    cK = _pad(torch.einsum("bjdt,bjd->btj", Uk, kf), np_).contiguous() if rk else q.new_zeros(B, 0, np_)
     eQ = torch.einsum("bidt,bid->bit", Uq, qf).contiguous() if rq else q.new_zeros(B, n, 0)
     UqT = Uq.transpose(-1, -2).contiguous() if rq else None  # [B, n, rq, d]
     mflat, mid = None, None

@@ -23,15 +23,21 @@
  * computes them with autograd), so this file only differentiates what depends
  * on the angles.
  *
- * Nothing pairwise is stored: a row keeps cos/sin of its angles [H][n], its
- * scores and probabilities [n]; the backward recomputes them from the inputs
- * and the row's maximum and sum.  Memory O(n (H + r)) per thread.
+ * Nothing pairwise is stored: a row keeps cos/sin of its angles [H][np], its
+ * scores and probabilities [np]; the backward recomputes them from the inputs.
+ * Memory O(n (H + r)) per thread.
+ *
+ * Layout: every key-side array (and the positions) has its keys innermost and padded to np, a
+ * multiple of LANES (the caller pads with zeros), so the loops over keys run
+ * on whole vectors of LANES keys with no scalar tail; a key block is the outer
+ * loop and the pairs m the inner one, so the rank products of a block stay in
+ * registers.  Keys past the row's last (causal, padding) get probability 0.
  *
  * Portable results: no fast-math and no FP contraction (the build passes
- * -ffp-contract=off), every reduction over keys runs in LANES fixed lanes
- * summed in a fixed order, and sin/cos are the polynomials below, so the
- * result does not depend on the vector width the compiler picks for the CPU.
- * Vectorised loops run over keys j (contiguous in every key-side array).
+ * -ffp-contract=off), vectors of LANES numbers whatever the CPU's width (gcc
+ * and clang split them into the registers it has: the same IEEE operations on
+ * every machine), sums over keys kept in the LANES lanes and added in a fixed
+ * order, and sin/cos as the polynomials below.
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,62 +50,67 @@
 typedef RR_REAL real;
 
 #define LANES 8
-/* The loops over keys write arrays that never overlap their inputs: say so, or
- * gcc keeps the backward's loops scalar (too many pointers to check at run time). */
-#if defined(__GNUC__) && !defined(__clang__)
-#define RR_IVDEP _Pragma("GCC ivdep")
-#elif defined(__clang__)
-#define RR_IVDEP _Pragma("clang loop vectorize(assume_safety)")
-#else
-#define RR_IVDEP
-#endif
+typedef real V __attribute__((vector_size(LANES * sizeof(real))));
+
+/* The largest metric rank per side (the caller checks it). */
+#define RR_MAXR 16
+
 #define FLAG_CAUSAL 1
 #define FLAG_SOURCE 2
 #define FLAG_DOT 4
 #define FLAG_TV 8
 
+static inline V vld(const real *p) {
+    V v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void vst(real *p, V v) { memcpy(p, &v, sizeof v); }
+static inline V vset(real x) {
+    V v = {0};
+    return v + x;
+}
+static inline real vsum(V v) { /* the lanes in a fixed order */
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
 #ifdef RR_DOUBLE
-static inline void rr_sincos(real x, real *s, real *c) {
-    *s = sin(x);
-    *c = cos(x);
+static inline void vsincos(V x, V *s, V *c) {
+    for (int l = 0; l < LANES; l++) {
+        (*s)[l] = sin(x[l]);
+        (*c)[l] = cos(x[l]);
+    }
 }
 static inline real rr_exp(real x) { return exp(x); }
-static inline real rr_log(real x) { return log(x); }
 #else
-/* sin and cos of a float: reduction by pi/2 in three parts (Cody and Waite),
+typedef int32_t VI __attribute__((vector_size(LANES * sizeof(int32_t))));
+/* sin and cos of floats: reduction by pi/2 in three parts (Cody and Waite),
  * minimax polynomials on [-pi/4, pi/4] (the coefficients of Cephes' sinf and
- * cosf), quadrant by arithmetic selects.  About 1e-7 absolute error for
- * |x| < 2^13 (angles up to n * max rate), written so that gcc vectorises it. */
-static inline void rr_sincos(float x, float *s, float *c) {
-    const float two_over_pi = 0.636619772367581343f;
-    const float shifter = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    float k = (x * two_over_pi + shifter) - shifter;
-    float r = x - k * 1.5703125f;
+ * cosf), the quadrant chosen by products with 0 and 1 (exact).  About 1e-7
+ * absolute error for |x| < 2^13 (angles up to n times the largest rate). */
+static inline void vsincos(V x, V *s, V *c) {
+    const V shifter = vset(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    V k = (x * 0.636619772367581343f + shifter) - shifter;
+    V r = x - k * 1.5703125f;
     r = r - k * 4.837512969970703125e-4f;
     r = r - k * 7.54978995489188216e-8f;
-    float z = r * r;
-    float sp = ((-1.9515295891e-4f * z + 8.3321608736e-3f) * z - 1.6666654611e-1f) * z * r + r;
-    float cp = ((2.443315711809948e-5f * z - 1.388731625493765e-3f) * z + 4.166664568298827e-2f) * z * z
-               - 0.5f * z + 1.0f;
-    int32_t qd = (int32_t)k;
-    float swap = (float)(qd & 1); /* 0 or 1: selects by products, which gcc vectorises (exact: x*0 + y*1 = y) */
-    float keep = 1.0f - swap;
-    float sgn_s = 1.0f - 2.0f * (float)((qd >> 1) & 1);
-    float sgn_c = 1.0f - 2.0f * (float)(((qd + 1) >> 1) & 1);
+    V z = r * r;
+    V sp = ((z * -1.9515295891e-4f + 8.3321608736e-3f) * z - 1.6666654611e-1f) * z * r + r;
+    V cp = ((z * 2.443315711809948e-5f - 1.388731625493765e-3f) * z + 4.166664568298827e-2f) * z * z
+           - z * 0.5f + 1.0f;
+    VI qd = __builtin_convertvector(k, VI);
+    V swap = __builtin_convertvector(qd & 1, V);
+    V keep = 1.0f - swap;
+    V sgn_s = 1.0f - 2.0f * __builtin_convertvector((qd >> 1) & 1, V);
+    V sgn_c = 1.0f - 2.0f * __builtin_convertvector(((qd + 1) >> 1) & 1, V);
     *s = sgn_s * (swap * cp + keep * sp);
     *c = sgn_c * (swap * sp + keep * cp);
 }
 static inline real rr_exp(real x) { return expf(x); }
-static inline real rr_log(real x) { return logf(x); }
 #endif
 
-/* Sum of f over [0, n) in LANES lanes added in a fixed order. */
-static inline real lane_total(const real *acc) {
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
 typedef struct {
-    int64_t n, H, rk, rq, dv;
+    int64_t n, np, H, rk, rq, dv;
     const real *q, *KW, *Uq, *VT, *rates, *ratesT, *pos, *lam, *qq, *kk, *cK, *eQ, *mask;
     const int64_t *mask_id;
     int64_t mask_rows;
@@ -107,437 +118,369 @@ typedef struct {
     int flags;
 } args_t;
 
-/* cos/sin of the row's angles into CS, SN [H][n] (keys 0..jn). */
-static void row_angles(const args_t *a, int64_t b, int64_t i, int64_t jn, real *CS, real *SN) {
-    const int64_t n = a->n, H = a->H;
-    const real pi = a->pos[b * n + i];
-    const real *pj = a->pos + b * n;
-    const int source = a->flags & FLAG_SOURCE;
-    for (int64_t m = 0; m < H; m++) {
-        const real wi = a->rates[(b * n + i) * H + m];
-        const real *wj = a->ratesT + (b * H + m) * n;
-        real *cs = CS + m * n, *sn = SN + m * n;
-        if (source) {
-            RR_IVDEP
-            for (int64_t j = 0; j < jn; j++) {
-                real phi = (pi - pj[j]) * wj[j];
-                rr_sincos(phi, &sn[j], &cs[j]);
-            }
-        } else {
-            RR_IVDEP
-            for (int64_t j = 0; j < jn; j++) {
-                real phi = (pi - pj[j]) * ((real)0.5 * (wi + wj[j]));
-                rr_sincos(phi, &sn[j], &cs[j]);
-            }
-        }
+typedef struct {
+    real *CS, *SN, *X, *Y, *S, *P, *DP, *G, *Hh;
+    V *acc; /* per-row vector accumulators */
+} bufs_t;
+
+static int alloc_bufs(bufs_t *w, const args_t *a) {
+    const int64_t np = a->np, H = a->H, rk = a->rk, rq = a->rq;
+    size_t total = (size_t)np * (size_t)(2 * H + 2 * (1 + rk) + 2 * rq + 3);
+    size_t nacc = (size_t)(3 * H + 2 * rq * H + a->dv + 2);
+    real *base = (real *)calloc(total, sizeof(real));
+    V *acc = (V *)aligned_alloc(64, ((nacc * sizeof(V) + 63) / 64) * 64);
+    if (!base || !acc) {
+        free(base);
+        free(acc);
+        return -1;
     }
+    w->CS = base;
+    w->SN = w->CS + H * np;
+    w->X = w->SN + H * np;
+    w->Y = w->X + (1 + rk) * np;
+    w->S = w->Y + rq * np;
+    w->P = w->S + np;
+    w->DP = w->P + np;
+    w->G = w->DP + np;
+    w->Hh = w->G + (1 + rk) * np;
+    w->acc = acc;
+    return 0;
 }
 
-/* The rank products of one row: X [(1+rk)][n], Y [rq][n]; QR, QI scratch [n]. */
-static void row_products(const args_t *a, int64_t b, int64_t i, int64_t jn, const real *CS, const real *SN,
-                         real *X, real *Y, real *QR, real *QI) {
-    const int64_t n = a->n, H = a->H, rk = a->rk, rq = a->rq, d = 2 * H;
-    const real *qi = a->q + (b * n + i) * d;
-    const real *KW = a->KW + b * (1 + rk) * H * 2 * n;
-    memset(X, 0, sizeof(real) * (size_t)((1 + rk) * n));
-    if (rq) memset(Y, 0, sizeof(real) * (size_t)(rq * n));
-    for (int64_t m = 0; m < H; m++) {
-        const real *cs = CS + m * n, *sn = SN + m * n;
-        const real ar = qi[2 * m], ai = qi[2 * m + 1];
-        RR_IVDEP
-        for (int64_t j = 0; j < jn; j++) {
-            QR[j] = ar * cs[j] + ai * sn[j];
-            QI[j] = ar * sn[j] - ai * cs[j];
-        }
-        for (int64_t t = 0; t <= rk; t++) {
-            const real *wr = KW + ((t * H + m) * 2) * n, *wi = wr + n;
-            real *x = X + t * n;
-            RR_IVDEP
-            for (int64_t j = 0; j < jn; j++) x[j] += QR[j] * wr[j] - QI[j] * wi[j];
-        }
-        if (rq) {
-            const real *kr = KW + (m * 2) * n, *ki = kr + n;
-            for (int64_t s = 0; s < rq; s++) {
-                const real *u = a->Uq + ((b * n + i) * rq + s) * d;
-                const real ur = u[2 * m], ui = u[2 * m + 1];
-                real *y = Y + s * n;
-                RR_IVDEP
-                for (int64_t j = 0; j < jn; j++) {
-                    real qr = ur * cs[j] + ui * sn[j], qim = ur * sn[j] - ui * cs[j];
-                    y[j] += qr * kr[j] - qim * ki[j];
+static void free_bufs(bufs_t *w) {
+    free(w->CS);
+    free(w->acc);
+}
+
+/* The angles' cos/sin into CS, SN [H][np] and the rank products X [(1+rk)][np], Y [rq][np]
+ * of row i over keys [0, jv); with dout, also DP [np] = dO_i . (P v_j) (transported values). */
+static inline __attribute__((always_inline)) void row_pass_impl(const args_t *a, int64_t b, int64_t i, int64_t jv,
+                                                                 bufs_t *w, const real *doi, const int64_t rk,
+                                                                 const int64_t rq) {
+    const int64_t np = a->np, H = a->H, d = 2 * H;
+    const real pi = a->pos[b * np + i];
+    const real *pj = a->pos + b * np;
+    const real *qi = a->q + (b * a->n + i) * d;
+    const real *wi_row = a->rates + (b * a->n + i) * H;
+    const real *rT = a->ratesT + b * H * np;
+    const real *KW = a->KW + b * (1 + rk) * H * 2 * np;
+    const real *VT = a->VT + b * H * 2 * np;
+    const real *Uqi = rq ? a->Uq + (b * a->n + i) * rq * d : NULL;
+    const int source = a->flags & FLAG_SOURCE;
+    const int dp_tv = doi && (a->flags & FLAG_TV);
+    V xa[RR_MAXR + 1], ya[RR_MAXR > 0 ? RR_MAXR : 1];
+    for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
+        const V dp = pi - vld(pj + j0);
+        for (int64_t t = 0; t <= rk; t++) xa[t] = vset(0);
+        for (int64_t s = 0; s < rq; s++) ya[s] = vset(0);
+        V dpa = vset(0);
+        for (int64_t m = 0; m < H; m++) {
+            const V wj = vld(rT + m * np + j0);
+            const V phi = source ? dp * wj : dp * ((wi_row[m] + wj) * (real)0.5);
+            V c, s;
+            vsincos(phi, &s, &c);
+            vst(w->CS + m * np + j0, c);
+            vst(w->SN + m * np + j0, s);
+            const real ar = qi[2 * m], ai = qi[2 * m + 1];
+            const V qr = ar * c + ai * s, qim = ar * s - ai * c;
+            for (int64_t t = 0; t <= rk; t++) {
+                const real *wr = KW + ((t * H + m) * 2) * np + j0;
+                xa[t] += qr * vld(wr) - qim * vld(wr + np);
+            }
+            if (rq) {
+                const V kr = vld(KW + (m * 2) * np + j0), ki = vld(KW + (m * 2 + 1) * np + j0);
+                for (int64_t u = 0; u < rq; u++) {
+                    const real ur = Uqi[u * d + 2 * m], ui = Uqi[u * d + 2 * m + 1];
+                    const V sr = ur * c + ui * s, si = ur * s - ui * c;
+                    ya[u] += sr * kr - si * ki;
                 }
             }
+            if (dp_tv) {
+                const real dr = doi[2 * m], di = doi[2 * m + 1];
+                const V er = dr * c + di * s, ei = dr * s - di * c;
+                dpa += er * vld(VT + (m * 2) * np + j0) - ei * vld(VT + (m * 2 + 1) * np + j0);
+            }
         }
+        for (int64_t t = 0; t <= rk; t++) vst(w->X + t * np + j0, xa[t]);
+        for (int64_t s = 0; s < rq; s++) vst(w->Y + s * np + j0, ya[s]);
+        if (dp_tv) vst(w->DP + j0, dpa);
     }
 }
 
-/* Scores of one row into S [n] (keys 0..jn), from the products. */
-static void row_scores(const args_t *a, int64_t b, int64_t i, int64_t jn, const real *X, const real *Y, real *S) {
-    const int64_t n = a->n, rk = a->rk, rq = a->rq;
+/* row_pass_impl with the ranks as constants for the usual ranks (its accumulators then live in
+ * registers), or as variables (up to RR_MAXR) otherwise. */
+static void row_pass(const args_t *a, int64_t b, int64_t i, int64_t jv, bufs_t *w, const real *doi) {
+#define RR_RANKS(RK, RQ) \
+    if (a->rk == RK && a->rq == RQ) return row_pass_impl(a, b, i, jv, w, doi, RK, RQ);
+    RR_RANKS(0, 0) RR_RANKS(1, 0) RR_RANKS(2, 0) RR_RANKS(3, 0) RR_RANKS(4, 0)
+    RR_RANKS(0, 1) RR_RANKS(0, 2) RR_RANKS(0, 4) RR_RANKS(1, 1) RR_RANKS(2, 2) RR_RANKS(4, 4)
+#undef RR_RANKS
+    row_pass_impl(a, b, i, jv, w, doi, a->rk, a->rq);
+}
+
+/* Scores of row i into S (keys < jn; -inf for [jn, jv)). */
+static void row_scores(const args_t *a, int64_t b, int64_t i, int64_t jn, int64_t jv, bufs_t *w) {
+    const int64_t np = a->np, rk = a->rk, rq = a->rq;
+    real *S = w->S;
+    const real *X = w->X, *Y = w->Y;
     if (a->flags & FLAG_DOT) {
-        RR_IVDEP
         for (int64_t j = 0; j < jn; j++) S[j] = a->scale * X[j];
     } else {
-        const real lam = a->lam[b], qq = a->qq[b * n + i];
-        const real *kk = a->kk + b * n;
-        RR_IVDEP
+        const real lam = a->lam[b], qq = a->qq[b * a->n + i];
+        const real *kk = a->kk + b * np;
         for (int64_t j = 0; j < jn; j++) S[j] = lam * ((qq + kk[j]) - (real)2 * X[j]);
         for (int64_t t = 1; t <= rk; t++) {
-            const real *x = X + t * n, *c = a->cK + (b * rk + t - 1) * n;
-            RR_IVDEP
+            const real *x = X + t * np, *c = a->cK + (b * rk + t - 1) * np;
             for (int64_t j = 0; j < jn; j++) {
                 real u = x[j] - c[j];
                 S[j] += a->wk * (u * u);
             }
         }
         for (int64_t s = 0; s < rq; s++) {
-            const real *y = Y + s * n;
-            const real e = a->eQ[(b * n + i) * rq + s];
-            RR_IVDEP
+            const real *y = Y + s * np;
+            const real e = a->eQ[(b * a->n + i) * rq + s];
             for (int64_t j = 0; j < jn; j++) {
                 real u = e - y[j];
                 S[j] += a->wq * (u * u);
             }
         }
         const real h = (real)-0.5 * a->scale;
-        RR_IVDEP
         for (int64_t j = 0; j < jn; j++) S[j] = h * S[j];
     }
     if (a->mask) {
-        const real *mrow = a->mask + (a->mask_id[b] * a->mask_rows + (a->mask_rows > 1 ? i : 0)) * n;
-        RR_IVDEP
+        const real *mrow = a->mask + (a->mask_id[b] * a->mask_rows + (a->mask_rows > 1 ? i : 0)) * a->n;
         for (int64_t j = 0; j < jn; j++) S[j] += mrow[j];
     }
+    for (int64_t j = jn; j < jv; j++) S[j] = -INFINITY;
 }
 
-typedef struct {
-    real *CS, *SN, *X, *Y, *QR, *QI, *S, *P, *DP, *G, *Hh, *GR, *GI, *DPHI;
-} bufs_t;
-
-static int alloc_bufs(bufs_t *w, int64_t n, int64_t H, int64_t rk, int64_t rq) {
-    size_t total = (size_t)n * (size_t)(2 * H + 2 * (1 + rk) + 2 * rq + 9);
-    real *base = (real *)calloc(total, sizeof(real));
-    if (!base) return -1;
-    w->CS = base;
-    w->SN = w->CS + H * n;
-    w->X = w->SN + H * n;
-    w->Y = w->X + (1 + rk) * n;
-    w->QR = w->Y + rq * n;
-    w->QI = w->QR + n;
-    w->S = w->QI + n;
-    w->P = w->S + n;
-    w->DP = w->P + n;
-    w->G = w->DP + n;
-    w->Hh = w->G + (1 + rk) * n;
-    w->GR = w->Hh + rq * n;
-    w->GI = w->GR + n;
-    w->DPHI = w->GI + n;
-    return 0;
+/* Softmax of S into P over [0, jv) (0 past jn); returns the row maximum (-inf: the row sees no key). */
+static real row_softmax(int64_t jn, int64_t jv, bufs_t *w) {
+    real mx = -INFINITY;
+    for (int64_t j = 0; j < jn; j++) mx = w->S[j] > mx ? w->S[j] : mx;
+    if (mx == -INFINITY) return mx;
+    V acc = vset(0);
+    for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
+        V p;
+        for (int l = 0; l < LANES; l++) p[l] = j0 + l < jn ? rr_exp(w->S[j0 + l] - mx) : (real)0;
+        vst(w->P + j0, p);
+        acc += p;
+    }
+    const real inv = (real)1 / vsum(acc);
+    for (int64_t j0 = 0; j0 < jv; j0 += LANES) vst(w->P + j0, vld(w->P + j0) * inv);
+    return mx;
 }
 
-/* Rows [b0, b1) of the batch.  out [B, n, dv], lse [B, n] (natural log; +inf
- * for a row that sees no key, whose output is 0).  Returns 0, or -1 when out
- * of memory. */
-int rr_content_forward(int64_t b0, int64_t b1, int64_t n, int64_t H, int64_t rk, int64_t rq, int64_t dv,
-                       const real *q, const real *KW, const real *Uq, const real *VT, const real *rates,
-                       const real *ratesT, const real *pos, const real *lam, const real *qq, const real *kk,
-                       const real *cK, const real *eQ, const real *mask, const int64_t *mask_id, int64_t mask_rows,
-                       double scale, double wk, double wq, int flags, real *out, real *lse) {
-    args_t a = {n, H, rk, rq, dv, q, KW, Uq, VT, rates, ratesT, pos, lam, qq, kk, cK, eQ, mask, mask_id,
+static int64_t padded(int64_t jn) { return (jn + LANES - 1) / LANES * LANES; }
+
+/* Rows [b0, b1) of the batch.  out [B, n, dv]; seen [B, n] = 1 where the row sees a key (its
+ * output is 0 otherwise).  Returns 0, or -1 when out of memory. */
+int rr_content_forward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H, int64_t rk, int64_t rq,
+                       int64_t dv, const real *q, const real *KW, const real *Uq, const real *VT,
+                       const real *rates, const real *ratesT, const real *pos, const real *lam, const real *qq,
+                       const real *kk, const real *cK, const real *eQ, const real *mask, const int64_t *mask_id,
+                       int64_t mask_rows, double scale, double wk, double wq, int flags, real *out, real *seen) {
+    args_t a = {n, np, H, rk, rq, dv, q, KW, Uq, VT, rates, ratesT, pos, lam, qq, kk, cK, eQ, mask, mask_id,
                 mask_rows, (real)scale, (real)wk, (real)wq, flags};
     bufs_t w;
-    if (alloc_bufs(&w, n, H, rk, rq)) return -1;
+    if (alloc_bufs(&w, &a)) return -1;
     const int tv = flags & FLAG_TV;
     for (int64_t b = b0; b < b1; b++) {
+        const real *VTb = VT + b * (tv ? H * 2 : dv) * np;
         for (int64_t i = 0; i < n; i++) {
-            const int64_t jn = (flags & FLAG_CAUSAL) ? i + 1 : n;
+            const int64_t jn = (flags & FLAG_CAUSAL) ? i + 1 : n, jv = padded(jn);
             real *o = out + (b * n + i) * dv;
-            row_angles(&a, b, i, jn, w.CS, w.SN);
-            row_products(&a, b, i, jn, w.CS, w.SN, w.X, w.Y, w.QR, w.QI);
-            row_scores(&a, b, i, jn, w.X, w.Y, w.S);
-            real mx = -INFINITY;
-            RR_IVDEP
-            for (int64_t j = 0; j < jn; j++) mx = w.S[j] > mx ? w.S[j] : mx;
-            if (mx == -INFINITY) { /* sees no key */
-                lse[b * n + i] = INFINITY;
+            row_pass(&a, b, i, jv, &w, NULL);
+            row_scores(&a, b, i, jn, jv, &w);
+            if (row_softmax(jn, jv, &w) == -INFINITY) { /* sees no key */
+                seen[b * n + i] = 0;
                 memset(o, 0, sizeof(real) * (size_t)dv);
                 continue;
             }
-            real acc[LANES] = {0};
-            RR_IVDEP
-            for (int64_t j = 0; j < jn; j++) {
-                real p = rr_exp(w.S[j] - mx);
-                w.P[j] = p;
-                acc[j % LANES] += p;
-            }
-            const real sum = lane_total(acc);
-            lse[b * n + i] = mx + rr_log(sum);
-            const real inv = (real)1 / sum;
-            RR_IVDEP
-            for (int64_t j = 0; j < jn; j++) w.P[j] *= inv;
+            seen[b * n + i] = 1;
             if (tv) {
-                for (int64_t m = 0; m < H; m++) {
-                    const real *cs = w.CS + m * n, *sn = w.SN + m * n;
-                    const real *vr = VT + ((b * H + m) * 2) * n, *vi = vr + n;
-                    real ar[LANES] = {0}, ai[LANES] = {0};
-                    int64_t j = 0;
-                    RR_IVDEP
-                    for (; j + LANES <= jn; j += LANES)
-                        for (int l = 0; l < LANES; l++) {
-                            real p = w.P[j + l], c = cs[j + l], s = sn[j + l];
-                            ar[l] += p * (c * vr[j + l] - s * vi[j + l]);
-                            ai[l] += p * (s * vr[j + l] + c * vi[j + l]);
-                        }
-                    for (int l = 0; j < jn; j++, l++) {
-                        real p = w.P[j], c = cs[j], s = sn[j];
-                        ar[l] += p * (c * vr[j] - s * vi[j]);
-                        ai[l] += p * (s * vr[j] + c * vi[j]);
+                for (int64_t m = 0; m < H; m++) { /* pair by pair: five sequential streams */
+                    const real *cs = w.CS + m * np, *sn = w.SN + m * np;
+                    const real *vr = VTb + (m * 2) * np, *vi = vr + np;
+                    V accr = vset(0), acci = vset(0);
+                    for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
+                        const V p = vld(w.P + j0), c = vld(cs + j0), s = vld(sn + j0);
+                        const V r = vld(vr + j0), im = vld(vi + j0);
+                        accr += p * (c * r - s * im);
+                        acci += p * (s * r + c * im);
                     }
-                    o[2 * m] = lane_total(ar);
-                    o[2 * m + 1] = lane_total(ai);
+                    o[2 * m] = vsum(accr);
+                    o[2 * m + 1] = vsum(acci);
                 }
             } else {
-                for (int64_t cidx = 0; cidx < dv; cidx++) {
-                    const real *vc = VT + (b * dv + cidx) * n;
-                    real ac[LANES] = {0};
-                    int64_t j = 0;
-                    RR_IVDEP
-                    for (; j + LANES <= jn; j += LANES)
-                        for (int l = 0; l < LANES; l++) ac[l] += w.P[j + l] * vc[j + l];
-                    for (int l = 0; j < jn; j++, l++) ac[l] += w.P[j] * vc[j];
-                    o[cidx] = lane_total(ac);
+                for (int64_t c = 0; c < dv; c++) {
+                    const real *vc = VTb + c * np;
+                    V acc = vset(0);
+                    for (int64_t j0 = 0; j0 < jv; j0 += LANES) acc += vld(w.P + j0) * vld(vc + j0);
+                    o[c] = vsum(acc);
                 }
             }
         }
     }
-    free(w.CS);
+    free_bufs(&w);
     return 0;
 }
 
 /* Gradients of rows [b0, b1), accumulated into the zero-initialised outputs:
- * dq [B, n, d], dKW [B, 1+rk, H, 2, n], dUq [B, n, rq, d], dVT (layout of VT),
- * drates [B, n, H] (the query's rate), dratesT [B, H, n] (the key's rate),
- * dlam [B], dqq, dkk [B, n], dcK [B, rk, n], deQ [B, n, rq]. */
-int rr_content_backward(int64_t b0, int64_t b1, int64_t n, int64_t H, int64_t rk, int64_t rq, int64_t dv,
-                        const real *q, const real *KW, const real *Uq, const real *VT, const real *rates,
-                        const real *ratesT, const real *pos, const real *lam, const real *qq, const real *kk,
-                        const real *cK, const real *eQ, const real *mask, const int64_t *mask_id,
-                        int64_t mask_rows, double scale, double wk, double wq, int flags, const real *out,
-                        const real *lse, const real *dout, real *dq, real *dKW, real *dUq, real *dVT,
-                        real *drates, real *dratesT, real *dlam, real *dqq, real *dkk, real *dcK, real *deQ) {
-    args_t a = {n, H, rk, rq, dv, q, KW, Uq, VT, rates, ratesT, pos, lam, qq, kk, cK, eQ, mask, mask_id,
+ * dq [B, n, d], dKW [B, 1+rk, H, 2, np], dUq [B, n, rq, d], dVT (layout of VT),
+ * drates [B, n, H] (the query's rate), dratesT [B, H, np] (the key's rate),
+ * dlam [B], dqq [B, n], dkk [B, np], dcK [B, rk, np], deQ [B, n, rq]. */
+int rr_content_backward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H, int64_t rk, int64_t rq,
+                        int64_t dv, const real *q, const real *KW, const real *Uq, const real *VT,
+                        const real *rates, const real *ratesT, const real *pos, const real *lam, const real *qq,
+                        const real *kk, const real *cK, const real *eQ, const real *mask,
+                        const int64_t *mask_id, int64_t mask_rows, double scale, double wk, double wq, int flags,
+                        const real *out, const real *seen, const real *dout, real *dq, real *dKW, real *dUq,
+                        real *dVT, real *drates, real *dratesT, real *dlam, real *dqq, real *dkk, real *dcK,
+                        real *deQ) {
+    args_t a = {n, np, H, rk, rq, dv, q, KW, Uq, VT, rates, ratesT, pos, lam, qq, kk, cK, eQ, mask, mask_id,
                 mask_rows, (real)scale, (real)wk, (real)wq, flags};
     bufs_t w;
-    if (alloc_bufs(&w, n, H, rk, rq)) return -1;
+    if (alloc_bufs(&w, &a)) return -1;
     const int tv = flags & FLAG_TV, dot = flags & FLAG_DOT, source = flags & FLAG_SOURCE;
-    const int64_t d = 2 * H;
+    const int64_t d = 2 * H, tmax = dot ? 0 : rk, qside = dot ? 0 : rq;
     for (int64_t b = b0; b < b1; b++) {
-        const real *KWb = KW + b * (1 + rk) * H * 2 * n;
-        real *dKWb = dKW + b * (1 + rk) * H * 2 * n;
-        const real *pj = pos + b * n;
+        const real *KWb = KW + b * (1 + rk) * H * 2 * np;
+        real *dKWb = dKW + b * (1 + rk) * H * 2 * np;
+        const real *VTb = VT + b * (tv ? H * 2 : dv) * np;
+        real *dVTb = dVT + b * (tv ? H * 2 : dv) * np;
+        real *dRT = dratesT + b * H * np;
+        const real *pj = pos + b * np;
         real dlam_b = 0;
         for (int64_t i = 0; i < n; i++) {
-            const real L = lse[b * n + i];
-            if (L == INFINITY) continue; /* a row that sees no key: no gradient */
-            const int64_t jn = (flags & FLAG_CAUSAL) ? i + 1 : n;
+            if (seen[b * n + i] == 0) continue; /* a row that sees no key: no gradient */
+            const int64_t jn = (flags & FLAG_CAUSAL) ? i + 1 : n, jv = padded(jn);
             const real *qi = q + (b * n + i) * d, *doi = dout + (b * n + i) * dv, *oi = out + (b * n + i) * dv;
+            const real *Uqi = rq ? Uq + (b * n + i) * rq * d : NULL;
+            const real pi = pos[b * np + i];
             real Dsum = 0;
             for (int64_t c = 0; c < dv; c++) Dsum += doi[c] * oi[c];
-            row_angles(&a, b, i, jn, w.CS, w.SN);
-            row_products(&a, b, i, jn, w.CS, w.SN, w.X, w.Y, w.QR, w.QI);
-            row_scores(&a, b, i, jn, w.X, w.Y, w.S);
-            /* dP_ij = dO_i . (P v_j) or dO_i . v_j */
-            memset(w.DP, 0, sizeof(real) * (size_t)n);
-            if (tv) {
-                for (int64_t m = 0; m < H; m++) {
-                    const real *cs = w.CS + m * n, *sn = w.SN + m * n;
-                    const real *vr = VT + ((b * H + m) * 2) * n, *vi = vr + n;
-                    const real dr = doi[2 * m], di = doi[2 * m + 1];
-                    RR_IVDEP
-                    for (int64_t j = 0; j < jn; j++) {
-                        real er = dr * cs[j] + di * sn[j], ei = dr * sn[j] - di * cs[j];
-                        w.DP[j] += er * vr[j] - ei * vi[j];
-                    }
-                }
-            } else {
-                for (int64_t c = 0; c < dv; c++) {
-                    const real *vc = VT + (b * dv + c) * n;
-                    const real g = doi[c];
-                    RR_IVDEP
-                    for (int64_t j = 0; j < jn; j++) w.DP[j] += g * vc[j];
+            row_pass(&a, b, i, jv, &w, doi);
+            if (!tv) { /* dP_ij = dO_i . v_j */
+                for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
+                    V acc = vset(0);
+                    for (int64_t c = 0; c < dv; c++) acc += doi[c] * vld(VTb + c * np + j0);
+                    vst(w.DP + j0, acc);
                 }
             }
-            /* The row's probabilities exactly as the forward made them (its maximum and sum again, not
-             * exp(S - lse): next to a mask of -1e308 the log-sum-exp has no digit left for log(sum)),
-             * then dS and the gradients of the products. */
-            real mx = -INFINITY;
-            for (int64_t j = 0; j < jn; j++) mx = w.S[j] > mx ? w.S[j] : mx;
-            real acc[LANES] = {0};
-            for (int64_t j = 0; j < jn; j++) {
-                real p = rr_exp(w.S[j] - mx);
-                w.P[j] = p;
-                acc[j % LANES] += p;
-            }
-            const real inv = (real)1 / lane_total(acc);
-            RR_IVDEP
-            for (int64_t j = 0; j < jn; j++) {
-                real p = w.P[j] * inv;
-                w.P[j] = p;
-                w.S[j] = p * (w.DP[j] - Dsum); /* S now holds dS */
-            }
+            row_scores(&a, b, i, jn, jv, &w);
+            row_softmax(jn, jv, &w); /* the probabilities exactly as the forward made them */
+            real *dS = w.S;
+            for (int64_t j = 0; j < jv; j++) dS[j] = w.P[j] * (w.DP[j] - Dsum); /* 0 past jn */
             if (dot) {
-                RR_IVDEP
-                for (int64_t j = 0; j < jn; j++) w.G[j] = a.scale * w.S[j];
+                for (int64_t j = 0; j < jv; j++) w.G[j] = a.scale * dS[j];
             } else {
                 const real lm = lam[b], qqi = qq[b * n + i], h = (real)-0.5 * a.scale;
-                const real *kkb = kk + b * n;
-                real *dkkb = dkk + b * n;
+                const real *kkb = kk + b * np;
+                real *dkkb = dkk + b * np;
                 real dqq_i = 0;
-                RR_IVDEP
-                for (int64_t j = 0; j < jn; j++) {
-                    real dd = h * w.S[j]; /* gradient of dist2 */
-                    w.S[j] = dd;
+                for (int64_t j = 0; j < jv; j++) {
+                    real dd = h * dS[j]; /* the gradient of dist2 */
+                    dS[j] = dd;
                     w.G[j] = (real)-2 * lm * dd;
-                    dlam_b += dd * ((qqi + kkb[j]) - (real)2 * w.X[j]);
-                    dqq_i += lm * dd;
-                    dkkb[j] += lm * dd;
+                }
+                for (int64_t j = 0; j < jn; j++) {
+                    dlam_b += dS[j] * ((qqi + kkb[j]) - (real)2 * w.X[j]);
+                    dqq_i += lm * dS[j];
+                    dkkb[j] += lm * dS[j];
                 }
                 dqq[b * n + i] += dqq_i;
                 for (int64_t t = 1; t <= rk; t++) {
-                    const real *x = w.X + t * n, *c = cK + (b * rk + t - 1) * n;
-                    real *g = w.G + t * n, *dc = dcK + (b * rk + t - 1) * n;
-                    RR_IVDEP
-                    for (int64_t j = 0; j < jn; j++) {
-                        g[j] = (real)2 * a.wk * (x[j] - c[j]) * w.S[j];
+                    const real *x = w.X + t * np, *c = cK + (b * rk + t - 1) * np;
+                    real *g = w.G + t * np, *dc = dcK + (b * rk + t - 1) * np;
+                    for (int64_t j = 0; j < jv; j++) {
+                        g[j] = (real)2 * a.wk * (x[j] - c[j]) * dS[j];
                         dc[j] -= g[j];
                     }
                 }
                 for (int64_t s = 0; s < rq; s++) {
-                    const real *y = w.Y + s * n;
+                    const real *y = w.Y + s * np;
                     const real e = eQ[(b * n + i) * rq + s];
-                    real *hs = w.Hh + s * n;
+                    real *hs = w.Hh + s * np;
                     real de = 0;
-                    RR_IVDEP
-                    for (int64_t j = 0; j < jn; j++) {
-                        hs[j] = (real)-2 * a.wq * (e - y[j]) * w.S[j];
+                    for (int64_t j = 0; j < jv; j++) {
+                        hs[j] = (real)-2 * a.wq * (e - y[j]) * dS[j];
                         de -= hs[j];
                     }
                     deQ[(b * n + i) * rq + s] += de;
                 }
             }
-            const int64_t tmax = dot ? 0 : rk;
-            if (!tv) { /* plain values: dv_j += A_ij dO_i */
+            if (!tv) { /* dv_j += A_ij dO_i */
                 for (int64_t c = 0; c < dv; c++) {
-                    real *dvc = dVT + (b * dv + c) * n;
-                    const real g = doi[c];
-                    RR_IVDEP
-                    for (int64_t j = 0; j < jn; j++) dvc[j] += w.P[j] * g;
+                    real *dvc = dVTb + c * np;
+                    for (int64_t j0 = 0; j0 < jv; j0 += LANES) vst(dvc + j0, vld(dvc + j0) + vld(w.P + j0) * doi[c]);
                 }
             }
-            for (int64_t m = 0; m < H; m++) {
-                const real *cs = w.CS + m * n, *sn = w.SN + m * n;
-                const real ar = qi[2 * m], ai = qi[2 * m + 1];
-                RR_IVDEP
-                for (int64_t j = 0; j < jn; j++) {
-                    w.QR[j] = ar * cs[j] + ai * sn[j];
-                    w.QI[j] = ar * sn[j] - ai * cs[j];
-                    w.GR[j] = 0;
-                    w.GI[j] = 0;
-                    w.DPHI[j] = 0;
-                }
-                for (int64_t t = 0; t <= tmax; t++) {
-                    const real *wr = KWb + ((t * H + m) * 2) * n, *wi = wr + n;
-                    real *dwr = dKWb + ((t * H + m) * 2) * n, *dwi = dwr + n;
-                    const real *g = w.G + t * n;
-                    RR_IVDEP
-                    for (int64_t j = 0; j < jn; j++) {
-                        w.GR[j] += g[j] * wr[j];
-                        w.GI[j] += g[j] * wi[j];
-                        w.DPHI[j] -= g[j] * (w.QR[j] * wi[j] + w.QI[j] * wr[j]);
-                        dwr[j] += g[j] * w.QR[j];
-                        dwi[j] -= g[j] * w.QI[j];
-                    }
-                }
-                { /* the query: d/d(ar, ai) of sum_t g_t Re(conj(q) W_t e^{i phi}) */
-                    real accr[LANES] = {0}, acci[LANES] = {0};
-                    int64_t j = 0;
-                    RR_IVDEP
-                    for (; j + LANES <= jn; j += LANES)
-                        for (int l = 0; l < LANES; l++) {
-                            real c = cs[j + l], s = sn[j + l], gr = w.GR[j + l], gi = w.GI[j + l];
-                            accr[l] += gr * c - gi * s;
-                            acci[l] += gr * s + gi * c;
-                        }
-                    for (int l = 0; j < jn; j++, l++) {
-                        real c = cs[j], s = sn[j], gr = w.GR[j], gi = w.GI[j];
-                        accr[l] += gr * c - gi * s;
-                        acci[l] += gr * s + gi * c;
-                    }
-                    dq[(b * n + i) * d + 2 * m] += lane_total(accr);
-                    dq[(b * n + i) * d + 2 * m + 1] += lane_total(acci);
-                }
-                if (rq && !dot) { /* the query side: y_s = Re(conj(U_is) k_j e^{i phi}) */
-                    const real *kr = KWb + (m * 2) * n, *ki = kr + n;
-                    real *dkr = dKWb + (m * 2) * n, *dki = dkr + n;
-                    for (int64_t s = 0; s < rq; s++) {
-                        const real *u = Uq + ((b * n + i) * rq + s) * d;
-                        const real ur = u[2 * m], ui = u[2 * m + 1];
-                        const real *hs = w.Hh + s * n;
-                        real accr[LANES] = {0}, acci[LANES] = {0};
-                        int64_t j = 0;
-                        for (; j < jn; j++) {
-                            real c = cs[j], sv = sn[j], h = hs[j];
-                            real qr = ur * c + ui * sv, qim = ur * sv - ui * c;
-                            dkr[j] += h * qr;
-                            dki[j] -= h * qim;
-                            w.DPHI[j] -= h * (qr * ki[j] + qim * kr[j]);
-                            accr[j % LANES] += h * (kr[j] * c - ki[j] * sv);
-                            acci[j % LANES] += h * (kr[j] * sv + ki[j] * c);
-                        }
-                        dUq[((b * n + i) * rq + s) * d + 2 * m] += lane_total(accr);
-                        dUq[((b * n + i) * rq + s) * d + 2 * m + 1] += lane_total(acci);
-                    }
-                }
-                if (tv) { /* values: o_i = sum_j A_ij v_j e^{i phi} */
-                    const real *vr = VT + ((b * H + m) * 2) * n, *vi = vr + n;
-                    real *dvr = dVT + ((b * H + m) * 2) * n, *dvi = dvr + n;
-                    const real dr = doi[2 * m], di = doi[2 * m + 1];
-                    RR_IVDEP
-                    for (int64_t j = 0; j < jn; j++) {
-                        real er = dr * cs[j] + di * sn[j], ei = dr * sn[j] - di * cs[j], p = w.P[j];
-                        w.DPHI[j] -= p * (er * vi[j] + ei * vr[j]);
-                        dvr[j] += p * er;
-                        dvi[j] -= p * ei;
-                    }
-                }
-                { /* the rates: phi = (p_i - p_j) w_ij */
-                    const real pi = pos[b * n + i];
-                    real *dwj = dratesT + (b * H + m) * n;
-                    if (source) {
-                        RR_IVDEP
-                        for (int64_t j = 0; j < jn; j++) dwj[j] += (pi - pj[j]) * w.DPHI[j];
-                    } else {
-                        real acc[LANES] = {0};
-                        int64_t j = 0;
-                        RR_IVDEP
-                        for (; j + LANES <= jn; j += LANES)
-                            for (int l = 0; l < LANES; l++) {
-                                real f = (real)0.5 * ((pi - pj[j + l]) * w.DPHI[j + l]);
-                                dwj[j + l] += f;
-                                acc[l] += f;
+            /* accumulators over keys: dq [H][2], dUq [rq][H][2], the query's rate [H] */
+            V *aq = w.acc, *au = aq + 2 * H, *ar = au + 2 * rq * H;
+            for (int64_t m = 0; m < 3 * H + 2 * rq * H; m++) aq[m] = vset(0);
+            V gt[RR_MAXR + 1], hs[RR_MAXR];
+            for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
+                for (int64_t t = 0; t <= tmax; t++) gt[t] = vld(w.G + t * np + j0);
+                for (int64_t s = 0; s < qside; s++) hs[s] = vld(w.Hh + s * np + j0);
+                const V p = vld(w.P + j0), dp = pi - vld(pj + j0);
+                for (int64_t m = 0; m < H; m++) {
+                    const V c = vld(w.CS + m * np + j0), s = vld(w.SN + m * np + j0);
+                    const real qr0 = qi[2 * m], qi0 = qi[2 * m + 1];
+                    const V qr = qr0 * c + qi0 * s, qim = qr0 * s - qi0 * c;
+                    V GR = vset(0), GI = vset(0), dphi = vset(0);
+                    for (int64_t t = 0; t <= tmax; t++) {
+                        const real *wrp = KWb + ((t * H + m) * 2) * np + j0;
+                        real *dwp = dKWb + ((t * H + m) * 2) * np + j0;
+                        const V wr = vld(wrp), wim = vld(wrp + np), g = gt[t];
+                        GR += g * wr;
+                        GI += g * wim;
+                        dphi -= g * (qr * wim + qim * wr);
+                        V dwr = g * qr, dwi = g * qim;
+                        if (t == 0 && qside) { /* the query side's terms in the key */
+                            for (int64_t u = 0; u < qside; u++) {
+                                const real ur = Uqi[u * d + 2 * m], ui = Uqi[u * d + 2 * m + 1];
+                                const V sr = ur * c + ui * s, si = ur * s - ui * c, h = hs[u];
+                                dwr += h * sr;
+                                dwi += h * si;
+                                dphi -= h * (sr * wim + si * wr);
+                                au[(u * H + m) * 2] += h * (wr * c - wim * s);
+                                au[(u * H + m) * 2 + 1] += h * (wr * s + wim * c);
                             }
-                        for (int l = 0; j < jn; j++, l++) {
-                            real f = (real)0.5 * ((pi - pj[j]) * w.DPHI[j]);
-                            dwj[j] += f;
-                            acc[l] += f;
                         }
-                        drates[(b * n + i) * H + m] += lane_total(acc);
+                        vst(dwp, vld(dwp) + dwr);
+                        vst(dwp + np, vld(dwp + np) - dwi);
+                    }
+                    aq[2 * m] += GR * c - GI * s;
+                    aq[2 * m + 1] += GR * s + GI * c;
+                    if (tv) {
+                        const real dr = doi[2 * m], di = doi[2 * m + 1];
+                        const V er = dr * c + di * s, ei = dr * s - di * c;
+                        const real *vp = VTb + (m * 2) * np + j0;
+                        real *dvp = dVTb + (m * 2) * np + j0;
+                        const V vr = vld(vp), vi = vld(vp + np);
+                        dphi -= p * (er * vi + ei * vr);
+                        vst(dvp, vld(dvp) + p * er);
+                        vst(dvp + np, vld(dvp + np) - p * ei);
+                    }
+                    real *dw = dRT + m * np + j0;
+                    if (source) {
+                        vst(dw, vld(dw) + dp * dphi);
+                    } else {
+                        const V f = (dp * dphi) * (real)0.5;
+                        vst(dw, vld(dw) + f);
+                        ar[m] += f;
                     }
                 }
             }
+            for (int64_t m = 0; m < d; m++) dq[(b * n + i) * d + m] += vsum(aq[m]);
+            for (int64_t u = 0; u < qside; u++)
+                for (int64_t m = 0; m < d; m++) dUq[((b * n + i) * rq + u) * d + m] += vsum(au[u * d + m]);
+            if (!source)
+                for (int64_t m = 0; m < H; m++) drates[(b * n + i) * H + m] += vsum(ar[m]);
         }
         dlam[b] += dlam_b;
     }
-    free(w.CS);
+    free_bufs(&w);
     return 0;
 }
