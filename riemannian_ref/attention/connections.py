@@ -48,7 +48,8 @@ For the flat connection every fibre object can be moved to one common frame
 (rotate each by :math:`R^\top` of its own position), which is why rotary
 attention costs :math:`O(n d)` extra; for the content connections the angle
 couples the pair, and the transport costs :math:`O(n^2 d)` elementwise, the
-same order as the scores.
+same order as the scores (on CPU a fused kernel computes it with
+:math:`O(n d)` memory).
 
 The diagnostics of a connection (holonomy, transport closure, metric
 compatibility) live beside the other measurements, in
@@ -402,13 +403,23 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     one frame: :math:`q_i \mapsto R_i^\top q_i`, :math:`k_j \mapsto R_j^\top k_j`,
     :math:`U \mapsto R^\top U` (so :math:`G_j \mapsto R_j^\top G_j R_j`),
     :math:`v_j \mapsto R_j^\top v_j`, calls the same operator, and rotates the
-    output back by :math:`R_i`: :math:`O(n d r)` extra. The content connections turn
-    the queries (and the values; the keys too for a query-side metric) pair by
-    pair, as complex products, and take the scores from one batched product of
-    :math:`P^\top q_i` with :math:`[k_j \mid U_{k,j}]`: time :math:`O(n^2 d (1 + r))`;
-    the backward keeps the angles and recomputes the rotations, so the memory
-    is about 1.5 to 3.5 ``[..., n, n, d]`` tensors (batch 8, 4 heads,
-    n = 256, d = 16 in float32 is 128 MiB each), never a ``[n, n, d, d]`` one.
+    output back by :math:`R_i`: :math:`O(n d r)` extra. The content connections
+    couple every pair through its angles, so their time is :math:`O(n^2 d (1 + r))`
+    elementwise work (the angles, their cosines and sines, the turned queries and
+    their products with :math:`[k_j \mid U_{k,j}]`). On CPU they run on a fused
+    kernel (private, ``attention/_content_cpu.py``) that computes a query row
+    at a time and recomputes each row in the backward: memory :math:`O(n d r)`,
+    nothing pairwise stored, the causal half skipped, results independent of
+    the CPU's vector width. It is compiled on first use with the system C
+    compiler (about two seconds, cached per user; ``RR_DISABLE_CKERNEL=1``
+    turns it off). Dropout, ``return_weights``, a mask that requires grad,
+    ``torch.compile`` tracing, CUDA tensors and a machine without a C compiler
+    take the dense path, the readable reference: it turns the queries (and
+    the values; the keys too for a query-side metric) pair by pair as complex
+    products and keeps the angles for its backward, about 1.5 to 3.5
+    ``[..., n, n, d]`` tensors (batch 8, 4 heads, n = 256, d = 16 in float32
+    is 128 MiB each), never a ``[n, n, d, d]`` one. The fused kernel has no
+    double backward (it raises, naming the switch to the dense path).
     """
     ac = autocast_dtype(query.device.type) if isinstance(query, Tensor) else None
     if ac is not None and query.dtype != torch.float64:  # autocast leaves float64 alone, as it does for SDPA
