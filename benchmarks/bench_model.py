@@ -23,10 +23,16 @@ on all cores. Next to it:
   next to what ``estimate_cost`` says a step allocates: activations and
   gradients (the weights and Adam's states exist before the step).
 
-The content connection (the ``"fiber_bundle"`` default) transports every
-pair densely: its activations grow as n^2 d per layer, so it runs only where
-``estimate_cost`` puts them under ``--max-pairwise-gib``; the same mode with
-the flat connection ("fiber_bundle/flat") runs at every n. Writes
+The content connection (the ``"fiber_bundle"`` default) runs on its fused
+CPU kernel (nothing pairwise stored); where that kernel is unavailable (no C
+compiler) the dense path keeps n^2 d activations per layer, and a row runs
+only where ``estimate_cost`` puts them under ``--max-pairwise-gib``. The same
+mode with the flat connection ("fiber_bundle/flat") runs at every n.
+
+    python benchmarks/bench_model.py --targets      # the issue's targets (n = 1024; --ns to change)
+
+measures the Fiber Bundle issue's target configuration instead (see
+``targets``): ``results/bench_model_targets.{md,json}``. Writes
 ``results/bench_model_cpu.{md,json}`` (rewritten after every row) with the
 load average, seed and wall time.
 """
@@ -45,6 +51,7 @@ from pathlib import Path
 import torch
 
 import riemannian_ref as rr
+from riemannian_ref.attention import _content_cpu
 from riemannian_ref.models.budget import estimate_cost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,9 +153,96 @@ def flop_shares(cost):
     return {p: f[p]["total"] / tot for p in ("attention", "metric", "connection")}
 
 
+# The configuration of the Fiber Bundle issue's targets: the library defaults (metric rank 2, content
+# connection, causal) at width 128, two heads of dimension 64, two layers, batch 2, on two threads.
+TARGET_MODES = {"euclidean": dict(mode="euclidean"), "riemannian": dict(mode="riemannian"),
+                "fiber_bundle": dict(mode="fiber_bundle"),
+                "fiber_bundle/flat": dict(mode="fiber_bundle", connection="flat")}
+
+
+def target_config(mode: str, n: int) -> rr.FiberBundleConfig:
+    return rr.FiberBundleConfig(block_size=n, d_model=128, n_heads=2, n_layers=2, **TARGET_MODES[mode])
+
+
+def target_child(mode: str, n: int, steps: int) -> dict:
+    """One process, one mode: median seconds of ``steps`` training steps (after one warm-up) and the peak
+    extra resident memory of a step (VmHWM reset before it, minus the resident set before it)."""
+    torch.set_num_threads(2)
+    _, step = make_step(target_config(mode, n), 2)
+    step()
+    times = []
+    for _ in range(steps):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _status("VmRSS:")
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+        peak = _status("VmHWM:") - before
+    return {"seconds": statistics.median(times), "peak_bytes": max(peak, 0)}
+
+
+def targets(args):
+    """The issue's targets: time and memory ratios of one training step, every mode in its own process,
+    the modes interleaved round by round (ratios within a round, then the median over rounds)."""
+    t_start = time.time()
+    info = machine_info(2)
+    info.update(load_before=os.getloadavg(), batch=2, rounds=args.reps, seed=0,
+                command="python " + " ".join(["benchmarks/bench_model.py"] + sys.argv[1:]))
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
+    rows = []
+    ns = args.ns if args.ns != [256, 512, 1024, 2048, 4096] else [1024]
+    for n in ns:
+        res = {m: [] for m in TARGET_MODES if m in args.modes or m == "euclidean"}
+        steps = 1 if n > 2048 else 3
+        for _ in range(args.reps):
+            for mode in res:
+                out = subprocess.run([sys.executable, __file__, "--target-child", mode, str(n), str(steps)],
+                                     capture_output=True, text=True, env=env, check=True)
+                res[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(n, mode, res[mode][-1], flush=True)
+        eu, ri = res["euclidean"], res.get("riemannian")
+
+        def ratio(rs, base, key):  # within each round, then the median; None without the baseline
+            if base is None:
+                return None
+            return statistics.median(r[key] / max(b[key], 1e-12) for r, b in zip(rs, base))
+
+        for mode, rs in res.items():
+            rows.append(dict(
+                n=n, mode=mode, step_s=statistics.median(r["seconds"] for r in rs),
+                peak_MiB=statistics.median(r["peak_bytes"] for r in rs) / 2 ** 20,
+                time_vs_euclidean=ratio(rs, eu, "seconds"), time_vs_riemannian=ratio(rs, ri, "seconds"),
+                mem_vs_riemannian=ratio(rs, ri, "peak_bytes")))
+    info["load_after"] = os.getloadavg()
+    info["wall_s"] = time.time() - t_start
+    out = Path(args.out).with_name("bench_model_targets")
+    out.with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    lines = ["# The Fiber Bundle Transformer's targets: one training step (CPU)", "",
+             f"Machine: {info['cpu']} ({info['cores']} cores, shared with other jobs), torch {info['torch']}, "
+             "2 threads, float32. `FiberBundleConfig(mode=..., block_size=n, d_model=128, n_heads=2, "
+             "n_layers=2)` (the defaults otherwise: metric rank 2, key side, causal; `fiber_bundle` with its "
+             "default content connection), batch 2, AdamW; every mode in its own process, the modes "
+             f"interleaved over {info['rounds']} rounds, ratios within a round, medians over rounds. Peak "
+             "memory: the resident-set high-water mark of a step minus the resident set before it. Load "
+             f"average before: {', '.join(f'{x:.2f}' for x in info['load_before'])}; after: "
+             f"{', '.join(f'{x:.2f}' for x in info['load_after'])}. Wall time {info['wall_s'] / 60:.0f} min. "
+             f"Command: `{info['command']}`.", "",
+             "Targets: `fiber_bundle` at n = 1024 at most 6x the Euclidean step and at most 2x riemannian "
+             "mode's peak memory; the flat content connection at most 1.3x riemannian mode's step.", "",
+             "| n | mode | step s | time / euclidean | time / riemannian | peak MiB | memory / riemannian |",
+             "|---:|:---|---:|---:|---:|---:|---:|"]
+    f2 = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
+    for r in rows:
+        lines.append(f"| {r['n']} | {r['mode']} | {r['step_s']:.2f} | {f2(r['time_vs_euclidean'])} | "
+                     f"{f2(r['time_vs_riemannian'])} | {r['peak_MiB']:.0f} | {f2(r['mem_vs_riemannian'])} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ns", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    p.add_argument("--ns", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
@@ -158,10 +252,20 @@ def main():
     p.add_argument("--quick", action="store_true", help="n = 128, 256; 2 rounds")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_model_cpu"))
     p.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--targets", action="store_true",
+                   help="the issue's target configuration instead of the table (results/bench_model_targets)")
+    p.add_argument("--target-child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.mem_child:
         mode, n, batch = args.mem_child
         print(mem_child(mode, int(n), int(batch)))
+        return
+    if args.target_child:
+        mode, n, steps = args.target_child
+        print(json.dumps(target_child(mode, int(n), int(steps))))
+        return
+    if args.targets:
+        targets(args)
         return
     if args.quick:
         args.reps, args.min_time = 2, 0.1
@@ -178,7 +282,7 @@ def main():
         eu_cost = estimate_cost(eu_cfg, n, batch=args.batch)
         for mode in args.modes:
             cfg = config(mode, n)
-            cost = estimate_cost(cfg, n, batch=args.batch)
+            cost = estimate_cost(cfg, n, batch=args.batch, fused_content=_content_cpu.available())
             row = dict(n=n, mode=mode, d_model=cfg.d_model, params=rr.count_parameters(cfg)["total"],
                        flop_ratio=cost["flops"]["total"]["total"] / eu_cost["flops"]["total"]["total"],
                        flop_shares=flop_shares(cost), est_MiB=step_bytes(cost) / 2 ** 20,

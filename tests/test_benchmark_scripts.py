@@ -68,3 +68,18 @@ def test_bench_import_tiny(tmp_path):
     assert res["extra_s"] == pytest.approx(res["median_s"]["riemannian_ref"] - res["median_s"]["torch"])
     assert res["extra_over_torch"] == pytest.approx(res["extra_s"] / res["median_s"]["torch"])
     assert Path(res["package"]).resolve().is_relative_to(ROOT)  # it timed this checkout's package
+
+
+def test_bench_model_targets_tiny(tmp_path):
+    """The targets mode: every mode in its own process, ratios per round, a table (n tiny, one round)."""
+    out = tmp_path / "bench_model"
+    run("bench_model.py", "--targets", "--ns", "32", "--reps", "1", "--modes", "riemannian", "fiber_bundle",
+        "--out", str(out))
+    res = json.loads((tmp_path / "bench_model_targets.json").read_text())
+    modes = {row["mode"] for row in res["rows"]}
+    assert modes == {"euclidean", "riemannian", "fiber_bundle"}  # the Euclidean baseline always runs
+    for row in res["rows"]:
+        assert row["n"] == 32 and row["step_s"] > 0 and row["time_vs_euclidean"] > 0
+    eu = next(row for row in res["rows"] if row["mode"] == "euclidean")
+    assert eu["time_vs_euclidean"] == 1.0
+    assert "| 32 | fiber_bundle |" in (tmp_path / "bench_model_targets.md").read_text()
