@@ -83,3 +83,12 @@ def test_bench_model_targets_tiny(tmp_path):
     eu = next(row for row in res["rows"] if row["mode"] == "euclidean")
     assert eu["time_vs_euclidean"] == 1.0
     assert "| 32 | fiber_bundle |" in (tmp_path / "bench_model_targets.md").read_text()
+
+
+def test_bench_content_quick(tmp_path):
+    out = tmp_path / "content"
+    run("bench_content.py", "--quick", "--threads", "1", "--out", str(out))
+    res = json.loads(out.with_suffix(".json").read_text())
+    whats = {row["what"] for row in res["rows"]}
+    assert {"kernel", "layer", "sdpa", "dense path", "flat connection"} <= whats
+    assert all(row["ms"] > 0 and row["vs_sdpa"] > 0 for row in res["rows"])
