@@ -46,6 +46,7 @@ _LOCK = threading.Lock()
 _ERROR: list[str] = []  # why the kernel is unavailable (for error messages and the tests)
 
 CAUSAL, SOURCE, DOT, TV = 1, 2, 4, 8
+LANES = 8  # the kernel's vector width in numbers (LANES in _content_kernel.c)
 
 
 def _disabled() -> bool:
@@ -166,10 +167,11 @@ def _run(fn, B: int, work: int) -> None:
 class ContentAttentionFn(torch.autograd.Function):
     """The fused row kernel with its backward; inputs flat over the batch, contiguous, one dtype.
 
-    Key-side arrays have the keys innermost, zero-padded to ``np``, a multiple
-    of 8. q [B, n, d]; KW [B, 1+rk, d/2, 2, np] (``[k_j | U_kj]``);
-    Uq [B, n, rq, d] or None; VT [B, d/2, 2, np] (transported values) or
-    [B, dv, np]; rates [B, n, d/2]; pos [B, np]; lam [B]; qq [B, n], kk [B, np]
+    The keys are zero-padded to ``np``, a multiple of 8, and the key-side
+    arrays are block-major (``_blocks``). q [B, n, d]; KW [B, np/8, 1+rk, d/2,
+    2, 8] (``[k_j | U_kj]``); Uq [B, n, rq, d] or None; VT [B, np/8, d/2, 2, 8]
+    (transported values) or [B, np/8, dv, 8]; rates [B, n, d/2]; pos [B, np];
+    lam [B]; qq [B, n], kk [B, np]
     (:math:`|q_i|^2`, :math:`|k_j|^2`); cK [B, rk, np] (:math:`U_{kj}^\\top k_j`);
     eQ [B, n, rq] (:math:`U_{qi}^\\top q_i`); mask [Bm, 1|n, n] additive (or
     None) with ``mask_id`` [B] its row per batch element. ``flags``: CAUSAL |
@@ -180,11 +182,11 @@ class ContentAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, KW, Uq, VT, rates, pos, lam, qq, kk, cK, eQ, mask, mask_id, scale, wk, wq, flags):
         B, n, d = q.shape
-        H, rk, np_ = d // 2, KW.shape[1] - 1, KW.shape[-1]
+        H, rk, np_ = d // 2, KW.shape[2] - 1, KW.shape[1] * LANES
         rq = Uq.shape[2] if Uq is not None else 0
-        dv = d if flags & TV else VT.shape[1]
+        dv = d if flags & TV else VT.shape[2]
         lib = library(q.dtype)
-        ratesT = _pad(rates.transpose(1, 2), np_).contiguous()
+        ratesT = _blocks(_pad(rates.transpose(1, 2), np_))  # [B, np/8, H, 8]
         out = q.new_empty(B, n, dv)
         seen = q.new_empty(B, n)
         mrows = mask.shape[1] if mask is not None else 0
@@ -208,7 +210,7 @@ class ContentAttentionFn(torch.autograd.Function):
         q, KW, Uq, VT, rates, ratesT, pos, lam, qq, kk, cK, eQ, mask, mask_id, out, seen = ctx.saved_tensors
         scale, wk, wq, flags = ctx.consts
         B, n, d = q.shape
-        H, rk, np_ = d // 2, KW.shape[1] - 1, KW.shape[-1]
+        H, rk, np_ = d // 2, KW.shape[2] - 1, KW.shape[1] * LANES
         rq = Uq.shape[2] if Uq is not None else 0
         dv = out.shape[-1]
         lib = library(q.dtype)
@@ -227,8 +229,14 @@ class ContentAttentionFn(torch.autograd.Function):
             return lib.rr_content_backward(b0, b1, n, np_, H, rk, rq, dv, *ptrs)
 
         _run(bwd, B, n * n * H)
-        drates = drates + dratesT[..., :n].transpose(1, 2)
+        drates = drates + dratesT.permute(0, 1, 3, 2).reshape(B, np_, H)[:, :n]  # the key's rate, per token
         return (dq, dKW, dUq, dVT, drates, None, dlam, dqq, dkk, dcK, deQ, None, None, None, None, None, None)
+
+
+def _blocks(x: Tensor) -> Tensor:
+    """[B, C, np] -> [B, np/8, C, 8]: block-major, what one block of 8 keys needs is contiguous."""
+    B, C, np_ = x.shape
+    return x.view(B, C, np_ // LANES, LANES).permute(0, 2, 1, 3).contiguous()
 
 
 def _pad(x: Tensor, np_: int) -> Tensor:
@@ -275,13 +283,12 @@ def content_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
     Uq = tokens(U_q, per_q) if (U_q is not None and not dot and side in ("query", "mean")) else None
     rk = Uk.shape[-1] if Uk is not None else 0
     rq = Uq.shape[-1] if Uq is not None else 0
-    np_ = -(-n // 8) * 8  # keys padded with zeros to the kernel's 8 lanes
+    np_ = -(-n // LANES) * LANES  # keys padded with zeros to the kernel's 8 lanes
     W = kf.unsqueeze(-1) if not rk else torch.cat((kf.unsqueeze(-1), Uk), -1)  # [B, n, d, 1+rk]
-    KW = _pad(W.permute(0, 3, 2, 1), np_).reshape(B, 1 + rk, H, 2, np_).contiguous()
+    KW = _blocks(_pad(W.permute(0, 3, 2, 1).reshape(B, (1 + rk) * d, n), np_))  # [B, np/8, (1+rk) d, 8]
+    KW = KW.view(B, np_ // LANES, 1 + rk, H, 2, LANES)
     vf = flat(v, 2)
-    VT = _pad(vf.transpose(1, 2), np_).contiguous()  # [B, d, np] = [B, H, 2, np], or [B, dv, np]
-    if transport_values:
-        VT = VT.view(B, H, 2, np_)
+    VT = _blocks(_pad(vf.transpose(1, 2), np_))  # [B, np/8, d, 8] = [B, np/8, H, 2, 8], or [B, np/8, dv, 8]
     rf = flat(rates, 2).contiguous()
     pf = _pad(p.expand(*batch, n).reshape(B, n).to(q.dtype), np_).contiguous()
     lamf = lam_t.expand(batch).reshape(B).contiguous()

@@ -27,11 +27,15 @@
  * scores and probabilities [np]; the backward recomputes them from the inputs.
  * Memory O(n (H + r)) per thread.
  *
- * Layout: every key-side array (and the positions) has its keys innermost and padded to np, a
- * multiple of LANES (the caller pads with zeros), so the loops over keys run
- * on whole vectors of LANES keys with no scalar tail; a key block is the outer
- * loop and the pairs m the inner one, so the rank products of a block stay in
- * registers.  Keys past the row's last (causal, padding) get probability 0.
+ * Layout: the keys are padded with zeros to np, a multiple of LANES, so the
+ * loops over keys run on whole vectors of LANES keys with no scalar tail.  The
+ * key-side arrays KW [B][np/LANES][1+rk][H][2][LANES], VT [B][np/LANES][H][2][LANES]
+ * (or [B][np/LANES][dv][LANES]) and ratesT [B][np/LANES][H][LANES] (and their
+ * gradients, and the row buffers CS, SN) are block-major: everything one
+ * block of LANES keys needs is contiguous, and a key block is the outer loop,
+ * the pairs m the inner one, so the rank products of a block stay in
+ * registers.  kk, cK, pos are [.., np].  Keys past the row's last (causal,
+ * padding) get probability 0.
  *
  * Portable results: no fast-math and no FP contraction (the build passes
  * -ffp-contract=off), vectors of LANES numbers whatever the CPU's width (gcc
@@ -152,7 +156,7 @@ static void free_bufs(bufs_t *w) {
     free(w->acc);
 }
 
-/* The angles' cos/sin into CS, SN [H][np] and the rank products X [(1+rk)][np], Y [rq][np]
+/* The angles' cos/sin into CS, SN [np/LANES][H][LANES] and the rank products X [(1+rk)][np], Y [rq][np]
  * of row i over keys [0, jv); with dout, also DP [np] = dO_i . (P v_j) (transported values). */
 static inline __attribute__((always_inline)) void row_pass_impl(const args_t *a, int64_t b, int64_t i, int64_t jv,
                                                                  bufs_t *w, const real *doi, const int64_t rk,
@@ -163,32 +167,34 @@ static inline __attribute__((always_inline)) void row_pass_impl(const args_t *a,
     const real *qi = a->q + (b * a->n + i) * d;
     const real *wi_row = a->rates + (b * a->n + i) * H;
     const real *rT = a->ratesT + b * H * np;
-    const real *KW = a->KW + b * (1 + rk) * H * 2 * np;
+    const real *KWb = a->KW + b * (a->rk + 1) * H * 2 * np;
     const real *VT = a->VT + b * H * 2 * np;
     const real *Uqi = rq ? a->Uq + (b * a->n + i) * rq * d : NULL;
     const int source = a->flags & FLAG_SOURCE;
     const int dp_tv = doi && (a->flags & FLAG_TV);
     V xa[RR_MAXR + 1], ya[RR_MAXR > 0 ? RR_MAXR : 1];
     for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
+        const int64_t jb = j0 / LANES;
+        const real *KW = KWb + jb * (a->rk + 1) * H * 2 * LANES; /* this key block: [1+rk][H][2][LANES] */
         const V dp = pi - vld(pj + j0);
         for (int64_t t = 0; t <= rk; t++) xa[t] = vset(0);
         for (int64_t s = 0; s < rq; s++) ya[s] = vset(0);
         V dpa = vset(0);
         for (int64_t m = 0; m < H; m++) {
-            const V wj = vld(rT + m * np + j0);
+            const V wj = vld(rT + (jb * H + m) * LANES);
             const V phi = source ? dp * wj : dp * ((wi_row[m] + wj) * (real)0.5);
             V c, s;
             vsincos(phi, &s, &c);
-            vst(w->CS + m * np + j0, c);
-            vst(w->SN + m * np + j0, s);
+            vst(w->CS + (jb * H + m) * LANES, c);
+            vst(w->SN + (jb * H + m) * LANES, s);
             const real ar = qi[2 * m], ai = qi[2 * m + 1];
             const V qr = ar * c + ai * s, qim = ar * s - ai * c;
             for (int64_t t = 0; t <= rk; t++) {
-                const real *wr = KW + ((t * H + m) * 2) * np + j0;
-                xa[t] += qr * vld(wr) - qim * vld(wr + np);
+                const real *wr = KW + ((t * H + m) * 2) * LANES;
+                xa[t] += qr * vld(wr) - qim * vld(wr + LANES);
             }
             if (rq) {
-                const V kr = vld(KW + (m * 2) * np + j0), ki = vld(KW + (m * 2 + 1) * np + j0);
+                const V kr = vld(KW + (m * 2) * LANES), ki = vld(KW + (m * 2 + 1) * LANES);
                 for (int64_t u = 0; u < rq; u++) {
                     const real ur = Uqi[u * d + 2 * m], ui = Uqi[u * d + 2 * m + 1];
                     const V sr = ur * c + ui * s, si = ur * s - ui * c;
@@ -198,7 +204,8 @@ static inline __attribute__((always_inline)) void row_pass_impl(const args_t *a,
             if (dp_tv) {
                 const real dr = doi[2 * m], di = doi[2 * m + 1];
                 const V er = dr * c + di * s, ei = dr * s - di * c;
-                dpa += er * vld(VT + (m * 2) * np + j0) - ei * vld(VT + (m * 2 + 1) * np + j0);
+                const real *vp = VT + ((jb * H + m) * 2) * LANES;
+                dpa += er * vld(vp) - ei * vld(vp + LANES);
             }
         }
         for (int64_t t = 0; t <= rk; t++) vst(w->X + t * np + j0, xa[t]);
@@ -299,24 +306,26 @@ int rr_content_forward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H,
             }
             seen[b * n + i] = 1;
             if (tv) {
-                for (int64_t m = 0; m < H; m++) { /* pair by pair: five sequential streams */
-                    const real *cs = w.CS + m * np, *sn = w.SN + m * np;
-                    const real *vr = VTb + (m * 2) * np, *vi = vr + np;
-                    V accr = vset(0), acci = vset(0);
-                    for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
-                        const V p = vld(w.P + j0), c = vld(cs + j0), s = vld(sn + j0);
-                        const V r = vld(vr + j0), im = vld(vi + j0);
-                        accr += p * (c * r - s * im);
-                        acci += p * (s * r + c * im);
+                V *acc = w.acc; /* [H][2], in L1 */
+                for (int64_t m = 0; m < 2 * H; m++) acc[m] = vset(0);
+                for (int64_t j0 = 0; j0 < jv; j0 += LANES) { /* block by block: contiguous reads */
+                    const int64_t jb = j0 / LANES;
+                    const V p = vld(w.P + j0);
+                    const real *cs = w.CS + jb * H * LANES, *sn = w.SN + jb * H * LANES;
+                    const real *vb = VTb + jb * H * 2 * LANES;
+                    for (int64_t m = 0; m < H; m++) {
+                        const V c = vld(cs + m * LANES), s = vld(sn + m * LANES);
+                        const V r = vld(vb + 2 * m * LANES), im = vld(vb + (2 * m + 1) * LANES);
+                        acc[2 * m] += p * (c * r - s * im);
+                        acc[2 * m + 1] += p * (s * r + c * im);
                     }
-                    o[2 * m] = vsum(accr);
-                    o[2 * m + 1] = vsum(acci);
                 }
+                for (int64_t m = 0; m < 2 * H; m++) o[m] = vsum(acc[m]);
             } else {
                 for (int64_t c = 0; c < dv; c++) {
-                    const real *vc = VTb + c * np;
                     V acc = vset(0);
-                    for (int64_t j0 = 0; j0 < jv; j0 += LANES) acc += vld(w.P + j0) * vld(vc + j0);
+                    for (int64_t j0 = 0; j0 < jv; j0 += LANES)
+                        acc += vld(w.P + j0) * vld(VTb + ((j0 / LANES) * dv + c) * LANES);
                     o[c] = vsum(acc);
                 }
             }
@@ -327,8 +336,8 @@ int rr_content_forward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H,
 }
 
 /* Gradients of rows [b0, b1), accumulated into the zero-initialised outputs:
- * dq [B, n, d], dKW [B, 1+rk, H, 2, np], dUq [B, n, rq, d], dVT (layout of VT),
- * drates [B, n, H] (the query's rate), dratesT [B, H, np] (the key's rate),
+ * dq [B, n, d], dKW (layout of KW), dUq [B, n, rq, d], dVT (layout of VT),
+ * drates [B, n, H] (the query's rate), dratesT (layout of ratesT: the key's rate),
  * dlam [B], dqq [B, n], dkk [B, np], dcK [B, rk, np], deQ [B, n, rq]. */
 int rr_content_backward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H, int64_t rk, int64_t rq,
                         int64_t dv, const real *q, const real *KW, const real *Uq, const real *VT,
@@ -364,7 +373,7 @@ int rr_content_backward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H
             if (!tv) { /* dP_ij = dO_i . v_j */
                 for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
                     V acc = vset(0);
-                    for (int64_t c = 0; c < dv; c++) acc += doi[c] * vld(VTb + c * np + j0);
+                    for (int64_t c = 0; c < dv; c++) acc += doi[c] * vld(VTb + ((j0 / LANES) * dv + c) * LANES);
                     vst(w.DP + j0, acc);
                 }
             }
@@ -412,8 +421,10 @@ int rr_content_backward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H
             }
             if (!tv) { /* dv_j += A_ij dO_i */
                 for (int64_t c = 0; c < dv; c++) {
-                    real *dvc = dVTb + c * np;
-                    for (int64_t j0 = 0; j0 < jv; j0 += LANES) vst(dvc + j0, vld(dvc + j0) + vld(w.P + j0) * doi[c]);
+                    for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
+                        real *dvc = dVTb + ((j0 / LANES) * dv + c) * LANES;
+                        vst(dvc, vld(dvc) + vld(w.P + j0) * doi[c]);
+                    }
                 }
             }
             /* accumulators over keys: dq [H][2], dUq [rq][H][2], the query's rate [H] */
@@ -424,15 +435,18 @@ int rr_content_backward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H
                 for (int64_t t = 0; t <= tmax; t++) gt[t] = vld(w.G + t * np + j0);
                 for (int64_t s = 0; s < qside; s++) hs[s] = vld(w.Hh + s * np + j0);
                 const V p = vld(w.P + j0), dp = pi - vld(pj + j0);
+                const int64_t jb = j0 / LANES;
+                const real *KWj = KWb + jb * (1 + rk) * H * 2 * LANES;
+                real *dKWj = dKWb + jb * (1 + rk) * H * 2 * LANES;
                 for (int64_t m = 0; m < H; m++) {
-                    const V c = vld(w.CS + m * np + j0), s = vld(w.SN + m * np + j0);
+                    const V c = vld(w.CS + (jb * H + m) * LANES), s = vld(w.SN + (jb * H + m) * LANES);
                     const real qr0 = qi[2 * m], qi0 = qi[2 * m + 1];
                     const V qr = qr0 * c + qi0 * s, qim = qr0 * s - qi0 * c;
                     V GR = vset(0), GI = vset(0), dphi = vset(0);
                     for (int64_t t = 0; t <= tmax; t++) {
-                        const real *wrp = KWb + ((t * H + m) * 2) * np + j0;
-                        real *dwp = dKWb + ((t * H + m) * 2) * np + j0;
-                        const V wr = vld(wrp), wim = vld(wrp + np), g = gt[t];
+                        const real *wrp = KWj + ((t * H + m) * 2) * LANES;
+                        real *dwp = dKWj + ((t * H + m) * 2) * LANES;
+                        const V wr = vld(wrp), wim = vld(wrp + LANES), g = gt[t];
                         GR += g * wr;
                         GI += g * wim;
                         dphi -= g * (qr * wim + qim * wr);
@@ -449,21 +463,21 @@ int rr_content_backward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H
                             }
                         }
                         vst(dwp, vld(dwp) + dwr);
-                        vst(dwp + np, vld(dwp + np) - dwi);
+                        vst(dwp + LANES, vld(dwp + LANES) - dwi);
                     }
                     aq[2 * m] += GR * c - GI * s;
                     aq[2 * m + 1] += GR * s + GI * c;
                     if (tv) {
                         const real dr = doi[2 * m], di = doi[2 * m + 1];
                         const V er = dr * c + di * s, ei = dr * s - di * c;
-                        const real *vp = VTb + (m * 2) * np + j0;
-                        real *dvp = dVTb + (m * 2) * np + j0;
-                        const V vr = vld(vp), vi = vld(vp + np);
+                        const real *vp = VTb + ((jb * H + m) * 2) * LANES;
+                        real *dvp = dVTb + ((jb * H + m) * 2) * LANES;
+                        const V vr = vld(vp), vi = vld(vp + LANES);
                         dphi -= p * (er * vi + ei * vr);
                         vst(dvp, vld(dvp) + p * er);
-                        vst(dvp + np, vld(dvp + np) - p * ei);
+                        vst(dvp + LANES, vld(dvp + LANES) - p * ei);
                     }
-                    real *dw = dRT + m * np + j0;
+                    real *dw = dRT + (jb * H + m) * LANES;
                     if (source) {
                         vst(dw, vld(dw) + dp * dphi);
                     } else {
