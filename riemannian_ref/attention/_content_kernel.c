@@ -280,6 +280,87 @@ static real row_softmax(int64_t jn, int64_t jv, bufs_t *w) {
 
 static int64_t padded(int64_t jn) { return (jn + LANES - 1) / LANES * LANES; }
 
+/* The gradients of one row that run over its keys (all but the products' and the scores'): the key
+ * side's accumulated into dKW, dVT, dratesT, the query side's into the lane accumulators aq [H][2],
+ * au [rq][H][2] and ar [H]; from the row buffers (CS, SN, G, Hh, P) that the caller filled. */
+static inline __attribute__((always_inline)) void row_grads_impl(
+        const args_t *a, const bufs_t *w, int64_t b, int64_t jv, const int64_t tmax, const int64_t qside, real pi,
+        const real *qi, const real *doi, const real *Uqi, V *aq, V *au, V *ar, real *dKWb, real *dVTb, real *dRT) {
+    const int64_t np = a->np, H = a->H, rk = a->rk, d = 2 * H;
+    const int tv = a->flags & FLAG_TV, source = a->flags & FLAG_SOURCE;
+    const real *KWb = a->KW + b * (1 + rk) * H * 2 * np;
+    const real *VTb = a->VT + b * (tv ? H * 2 : a->dv) * np;
+    const real *pj = a->pos + b * np;
+    V gt[RR_MAXR + 1], hs[RR_MAXR];
+    for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
+        for (int64_t t = 0; t <= tmax; t++) gt[t] = vld(w->G + t * np + j0);
+        for (int64_t s = 0; s < qside; s++) hs[s] = vld(w->Hh + s * np + j0);
+        const V p = vld(w->P + j0), dp = pi - vld(pj + j0);
+        const int64_t jb = j0 / LANES;
+        const real *KWj = KWb + jb * (1 + rk) * H * 2 * LANES;
+        real *dKWj = dKWb + jb * (1 + rk) * H * 2 * LANES;
+        for (int64_t m = 0; m < H; m++) {
+            const V c = vld(w->CS + (jb * H + m) * LANES), s = vld(w->SN + (jb * H + m) * LANES);
+            const real qr0 = qi[2 * m], qi0 = qi[2 * m + 1];
+            const V qr = qr0 * c + qi0 * s, qim = qr0 * s - qi0 * c;
+            V GR = vset(0), GI = vset(0), dphi = vset(0);
+            for (int64_t t = 0; t <= tmax; t++) {
+                const real *wrp = KWj + ((t * H + m) * 2) * LANES;
+                real *dwp = dKWj + ((t * H + m) * 2) * LANES;
+                const V wr = vld(wrp), wim = vld(wrp + LANES), g = gt[t];
+                GR += g * wr;
+                GI += g * wim;
+                dphi -= g * (qr * wim + qim * wr);
+                V dwr = g * qr, dwi = g * qim;
+                if (t == 0 && qside) { /* the query side's terms in the key */
+                    for (int64_t u = 0; u < qside; u++) {
+                        const real ur = Uqi[u * d + 2 * m], ui = Uqi[u * d + 2 * m + 1];
+                        const V sr = ur * c + ui * s, si = ur * s - ui * c, h = hs[u];
+                        dwr += h * sr;
+                        dwi += h * si;
+                        dphi -= h * (sr * wim + si * wr);
+                        au[(u * H + m) * 2] += h * (wr * c - wim * s);
+                        au[(u * H + m) * 2 + 1] += h * (wr * s + wim * c);
+                    }
+                }
+                vst(dwp, vld(dwp) + dwr);
+                vst(dwp + LANES, vld(dwp + LANES) - dwi);
+            }
+            aq[2 * m] += GR * c - GI * s;
+            aq[2 * m + 1] += GR * s + GI * c;
+            if (tv) {
+                const real dr = doi[2 * m], di = doi[2 * m + 1];
+                const V er = dr * c + di * s, ei = dr * s - di * c;
+                const real *vp = VTb + ((jb * H + m) * 2) * LANES;
+                real *dvp = dVTb + ((jb * H + m) * 2) * LANES;
+                const V vr = vld(vp), vi = vld(vp + LANES);
+                dphi -= p * (er * vi + ei * vr);
+                vst(dvp, vld(dvp) + p * er);
+                vst(dvp + LANES, vld(dvp + LANES) - p * ei);
+            }
+            real *dw = dRT + (jb * H + m) * LANES;
+            if (source) {
+                vst(dw, vld(dw) + dp * dphi);
+            } else {
+                const V f = (dp * dphi) * (real)0.5;
+                vst(dw, vld(dw) + f);
+                ar[m] += f;
+            }
+        }
+    }
+}
+
+static void row_grads(const args_t *a, const bufs_t *w, int64_t b, int64_t jv, int64_t tmax, int64_t qside, real pi,
+                      const real *qi, const real *doi, const real *Uqi, V *aq, V *au, V *ar, real *dKWb, real *dVTb,
+                      real *dRT) {
+#define RR_RANKS(T, Q) \
+    if (tmax == T && qside == Q) return row_grads_impl(a, w, b, jv, T, Q, pi, qi, doi, Uqi, aq, au, ar, dKWb, dVTb, dRT);
+    RR_RANKS(0, 0) RR_RANKS(1, 0) RR_RANKS(2, 0) RR_RANKS(3, 0) RR_RANKS(4, 0)
+    RR_RANKS(0, 1) RR_RANKS(0, 2) RR_RANKS(0, 4) RR_RANKS(1, 1) RR_RANKS(2, 2) RR_RANKS(4, 4)
+#undef RR_RANKS
+    row_grads_impl(a, w, b, jv, tmax, qside, pi, qi, doi, Uqi, aq, au, ar, dKWb, dVTb, dRT);
+}
+
 /* Rows [b0, b1) of the batch.  out [B, n, dv]; seen [B, n] = 1 where the row sees a key (its
  * output is 0 otherwise).  Returns 0, or -1 when out of memory. */
 int rr_content_forward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H, int64_t rk, int64_t rq,
@@ -354,12 +435,10 @@ int rr_content_backward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H
     const int tv = flags & FLAG_TV, dot = flags & FLAG_DOT, source = flags & FLAG_SOURCE;
     const int64_t d = 2 * H, tmax = dot ? 0 : rk, qside = dot ? 0 : rq;
     for (int64_t b = b0; b < b1; b++) {
-        const real *KWb = KW + b * (1 + rk) * H * 2 * np;
         real *dKWb = dKW + b * (1 + rk) * H * 2 * np;
         const real *VTb = VT + b * (tv ? H * 2 : dv) * np;
         real *dVTb = dVT + b * (tv ? H * 2 : dv) * np;
         real *dRT = dratesT + b * H * np;
-        const real *pj = pos + b * np;
         real dlam_b = 0;
         for (int64_t i = 0; i < n; i++) {
             if (seen[b * n + i] == 0) continue; /* a row that sees no key: no gradient */
@@ -430,63 +509,7 @@ int rr_content_backward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H
             /* accumulators over keys: dq [H][2], dUq [rq][H][2], the query's rate [H] */
             V *aq = w.acc, *au = aq + 2 * H, *ar = au + 2 * rq * H;
             for (int64_t m = 0; m < 3 * H + 2 * rq * H; m++) aq[m] = vset(0);
-            V gt[RR_MAXR + 1], hs[RR_MAXR];
-            for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
-                for (int64_t t = 0; t <= tmax; t++) gt[t] = vld(w.G + t * np + j0);
-                for (int64_t s = 0; s < qside; s++) hs[s] = vld(w.Hh + s * np + j0);
-                const V p = vld(w.P + j0), dp = pi - vld(pj + j0);
-                const int64_t jb = j0 / LANES;
-                const real *KWj = KWb + jb * (1 + rk) * H * 2 * LANES;
-                real *dKWj = dKWb + jb * (1 + rk) * H * 2 * LANES;
-                for (int64_t m = 0; m < H; m++) {
-                    const V c = vld(w.CS + (jb * H + m) * LANES), s = vld(w.SN + (jb * H + m) * LANES);
-                    const real qr0 = qi[2 * m], qi0 = qi[2 * m + 1];
-                    const V qr = qr0 * c + qi0 * s, qim = qr0 * s - qi0 * c;
-                    V GR = vset(0), GI = vset(0), dphi = vset(0);
-                    for (int64_t t = 0; t <= tmax; t++) {
-                        const real *wrp = KWj + ((t * H + m) * 2) * LANES;
-                        real *dwp = dKWj + ((t * H + m) * 2) * LANES;
-                        const V wr = vld(wrp), wim = vld(wrp + LANES), g = gt[t];
-                        GR += g * wr;
-                        GI += g * wim;
-                        dphi -= g * (qr * wim + qim * wr);
-                        V dwr = g * qr, dwi = g * qim;
-                        if (t == 0 && qside) { /* the query side's terms in the key */
-                            for (int64_t u = 0; u < qside; u++) {
-                                const real ur = Uqi[u * d + 2 * m], ui = Uqi[u * d + 2 * m + 1];
-                                const V sr = ur * c + ui * s, si = ur * s - ui * c, h = hs[u];
-                                dwr += h * sr;
-                                dwi += h * si;
-                                dphi -= h * (sr * wim + si * wr);
-                                au[(u * H + m) * 2] += h * (wr * c - wim * s);
-                                au[(u * H + m) * 2 + 1] += h * (wr * s + wim * c);
-                            }
-                        }
-                        vst(dwp, vld(dwp) + dwr);
-                        vst(dwp + LANES, vld(dwp + LANES) - dwi);
-                    }
-                    aq[2 * m] += GR * c - GI * s;
-                    aq[2 * m + 1] += GR * s + GI * c;
-                    if (tv) {
-                        const real dr = doi[2 * m], di = doi[2 * m + 1];
-                        const V er = dr * c + di * s, ei = dr * s - di * c;
-                        const real *vp = VTb + ((jb * H + m) * 2) * LANES;
-                        real *dvp = dVTb + ((jb * H + m) * 2) * LANES;
-                        const V vr = vld(vp), vi = vld(vp + LANES);
-                        dphi -= p * (er * vi + ei * vr);
-                        vst(dvp, vld(dvp) + p * er);
-                        vst(dvp + LANES, vld(dvp + LANES) - p * ei);
-                    }
-                    real *dw = dRT + (jb * H + m) * LANES;
-                    if (source) {
-                        vst(dw, vld(dw) + dp * dphi);
-                    } else {
-                        const V f = (dp * dphi) * (real)0.5;
-                        vst(dw, vld(dw) + f);
-                        ar[m] += f;
-                    }
-                }
-            }
+            row_grads(&a, &w, b, jv, tmax, qside, pi, qi, doi, Uqi, aq, au, ar, dKWb, dVTb, dRT);
             for (int64_t m = 0; m < d; m++) dq[(b * n + i) * d + m] += vsum(aq[m]);
             for (int64_t u = 0; u < qside; u++)
                 for (int64_t m = 0; m < d; m++) dUq[((b * n + i) * rq + u) * d + m] += vsum(au[u * d + m]);
