@@ -37,6 +37,8 @@ requires = importlib.metadata.requires("riemannian_ref") or []
 check("the transformers extra is declared", any("transformers" in r and "extra" in r for r in requires),
       f"({requires})")
 check("py.typed is shipped", importlib.resources.files("riemannian_ref").joinpath("py.typed").is_file())
+check("the content kernel's C source is shipped",
+      importlib.resources.files("riemannian_ref").joinpath("attention/_content_kernel.c").is_file())
 
 # every module imports (the transformers integration too: the extra is installed)
 modules = [m.name for m in pkgutil.walk_packages(rr.__path__, "riemannian_ref.")]
@@ -60,6 +62,12 @@ idx = torch.randint(64, (2, 33), generator=g)
 loss = model(idx[:, :-1], targets=idx[:, 1:]).loss
 loss.backward()
 check("FiberBundleTransformer loss and backward", bool(torch.isfinite(loss)))
+fb = rr.FiberBundleTransformer(rr.FiberBundleConfig.small(mode="fiber_bundle"))
+fb(idx[:, :-1], targets=idx[:, 1:]).loss.backward()
+from riemannian_ref.attention import _content_cpu  # noqa: E402
+
+check("the content kernel builds from the installed source", _content_cpu.available(),
+      f"({_content_cpu.unavailable_reason()})")
 train, _, info = rr.char_lm(block_size=32)
 check("char_lm reads its text", len(train) > 0 and info["n_chars"] > 10_000)
 
