@@ -457,7 +457,8 @@ class RiemannianAttention(nn.Module):
                                          metric_side=cfg.metric_side)
                 out = self.out_proj(o.transpose(1, 2).reshape(B, n_q, cfg.n_heads * cfg.v_dim))
                 return out, None
-            U_q, U_k = _dense_factor(U_q), _dense_factor(U_k)  # a transport turns each token's subspace
+            # a transport turns each token's subspace: the factors multiplied out (once where both sides share them)
+            U_q, U_k = (_dense_factor(U_q),) * 2 if U_q is U_k else (_dense_factor(U_q), _dense_factor(U_k))
         res = connection_attention(
             q, k, v, mask, p, is_causal, None, U_q=U_q, U_k=U_k, lam=lam if lam is not None else 1.0,
             metric_side=cfg.metric_side, scores=cfg.scores, connection=cfg.connection, rates=rates,

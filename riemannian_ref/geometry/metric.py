@@ -347,8 +347,12 @@ class SubspaceFactors(NamedTuple):
     coef: Tensor
 
     def dense(self) -> Tensor:
-        """The per-token factors :math:`U_j = B C_j` as one tensor, shape [..., n, d, r] (for checking)."""
-        return self.basis.unsqueeze(-3) @ self.coef
+        """The per-token factors :math:`U_j = B C_j` as one tensor, shape [..., n, d, r].
+
+        One product of the basis with every token's coefficients (the basis is
+        not copied per token).
+        """
+        return torch.einsum("...dm,...nmr->...ndr", self.basis, self.coef)
 
 
 class MetricNet(nn.Module):
