@@ -172,11 +172,17 @@ def test_gqa_equals_explicitly_repeated_kv_heads(gen, factor_heads):
                             0.6 * torch.randn(B, h, nk, m, r, generator=gen, dtype=F64))
     lam = torch.rand(hq, generator=gen, dtype=F64) + 0.5
     keep = torch.rand(B, 1, nq, nk, generator=gen) > 0.3
+    leaves = leaves_of(q, k, v, Sk, lam)
+    for t in leaves:
+        t.requires_grad_()
     out = rr.riemannian_attention(q, k, v, keep, is_causal=True, U_k=Sk, lam=lam, enable_gqa=True)
     rep = (lambda t, dim: t.repeat_interleave(g, dim)) if factor_heads == "key_heads" else (lambda t, dim: t)
     ref = rr.riemannian_attention_reference(q, k.repeat_interleave(g, -3), v.repeat_interleave(g, -3), keep,
                                             is_causal=True, U_k=rep(Sk.dense(), -4), lam=lam)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    w = torch.randn(out.shape, generator=gen, dtype=F64)
+    for a, b in zip(torch.autograd.grad((out * w).sum(), leaves), torch.autograd.grad((ref * w).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -184,8 +190,15 @@ def test_gqa_equals_explicitly_repeated_kv_heads(gen, factor_heads):
 def test_half_precision_is_computed_in_float32(gen, dtype, side):
     q, k, v, Sq, Sk, lam = make(gen, side, dtype=dtype)
     ins = [q, k, v, Sq, Sk, lam]
+    leaves = leaves_of(*ins)
+    for t in leaves:
+        t.requires_grad_()
     out = rr.riemannian_attention(q, k, v, is_causal=True, U_q=Sq, U_k=Sk, lam=lam, metric_side=side)
     assert out.dtype == dtype
+    grads = torch.autograd.grad(out.float().square().sum(), leaves)
+    assert all(g_.dtype == dtype and torch.isfinite(g_).all() for g_ in grads)
+    ins = [t.detach() if isinstance(t, torch.Tensor) else
+           rr.SubspaceFactors(t.basis.detach(), t.coef.detach()) if t is not None else None for t in ins]
     up = [rr.SubspaceFactors(t.basis.double(), t.coef.double()) if isinstance(t, rr.SubspaceFactors)
           else t.double() if t is not None else None for t in ins]
     ref = rr.riemannian_attention_reference(up[0], up[1], up[2], is_causal=True, U_q=dense(up[3]),

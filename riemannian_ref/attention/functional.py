@@ -670,9 +670,10 @@ _FORCED_BACKEND: str | None = None  # set only by _force_backend
 #: term, ``m(m+1)/2`` more for a subspace); ``"sdpa_bias"`` (``"no_factor"`` only), SDPA with the key term as an
 #: additive float mask, which needs its gradient and so runs on SDPA's math kernel; ``"operator"``, the
 #: per-token path (the Triton kernels on CUDA, else the blockwise operator; subspace factors multiplied out).
-#: All three are exact. A device type not listed takes ``"sdpa_lifted"``. CPU: the fastest route of
-#: ``benchmarks/bench_reductions.py`` (fwd+bwd at B = 4, h = 4, n = 1024, d = 64, two threads); CUDA: SDPA's
-#: fused kernels. Nothing is timed inside the library: the table is read, not measured.
+#: All three are exact. A device type not listed takes ``"sdpa_lifted"``. CPU: the route that
+#: ``benchmarks/bench_reductions.py`` (fwd+bwd at B = 4, h = 4, n = 1024, d = 64, two threads) finds fastest;
+#: its summary names that route next to this entry, which follows it. CUDA: SDPA on lifted inputs, so that
+#: SDPA's fused kernels compute. Nothing is timed inside the library: the table is read, not measured.
 _EXACT_ROUTES: dict[str, dict[str, str]] = {
     "cpu": {"no_factor": "sdpa_lifted", "subspace": "sdpa_lifted"},
     "cuda": {"no_factor": "sdpa_lifted", "subspace": "sdpa_lifted"},
