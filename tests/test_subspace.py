@@ -348,7 +348,8 @@ def test_the_route_table_is_read_per_device(monkeypatch, gen, spy):
 
 
 @pytest.mark.parametrize("bad, match", [
-    (lambda S: dict(U_k=rr.SubspaceFactors(S.basis[..., :4, :], S.coef)), r"U_k\.basis must have shape \[\.\.\., d, m\]"),
+    (lambda S: dict(U_k=rr.SubspaceFactors(S.basis[..., :4, :], S.coef)),
+     r"U_k\.basis must have shape \[\.\.\., d, m\]"),
     (lambda S: dict(U_k=rr.SubspaceFactors(S.basis[0], S.coef)), r"U_k\.basis must have shape"),
     (lambda S: dict(U_k=rr.SubspaceFactors(S.basis, S.coef[..., :5, :, :])), r"U_k\.coef must have shape .* n = 7"),
     (lambda S: dict(U_k=rr.SubspaceFactors(S.basis, S.coef[..., :1, :])), r"U_k\.coef .* m = 2"),
