@@ -23,8 +23,9 @@ from .analysis import (attention_path_products, composite_norm, energy_effective
 from .attention import (AttentionConfig, RiemannianAttention, blockwise_attention, connection_attention,
                         riemannian_attention, riemannian_attention_reference)
 from .data import TaskData, associative_recall, char_lm, counting, modular_arithmetic, pair_lookup
-from .geometry import (LowRankMetric, MetricField, MetricNet, dot_product_form, non_gram_factors, numerical_rank,
-                       pair_distance, riemannian_scores, score_rank_bound, segment_length, shortest_path)
+from .geometry import (LowRankMetric, MetricField, MetricNet, SubspaceFactors, dot_product_form, non_gram_factors,
+                       numerical_rank, pair_distance, riemannian_scores, score_rank_bound, segment_length,
+                       shortest_path)
 from .models import (FiberBundleConfig, FiberBundleTransformer, RecallHead, count_parameters, estimate_flops,
                      match_width)
 from .optim import LowRankAdam, Stiefel, StiefelAdam
@@ -35,7 +36,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     # geometry
-    "LowRankMetric", "MetricNet", "riemannian_scores", "dot_product_form", "score_rank_bound",
+    "LowRankMetric", "MetricNet", "SubspaceFactors", "riemannian_scores", "dot_product_form", "score_rank_bound",
     "non_gram_factors", "numerical_rank", "pair_distance", "segment_length", "MetricField", "shortest_path",
     # attention
     "riemannian_attention", "riemannian_attention_reference", "blockwise_attention", "connection_attention",

@@ -60,6 +60,29 @@ def test_ablation_switches_exist_and_hold_the_operators_choice():
         assert getattr(bw, attr) == ours != alt
 
 
+def test_bench_reductions_quick(tmp_path):
+    """The three exact routes of one-metric calls and the subspace family, each against SDPA, in one --quick run."""
+    out = tmp_path / "reductions"
+    run("bench_reductions.py", "--quick", "--threads", "1", "--ms", "1", "2", "--out", str(out))
+    res = json.loads(out.with_suffix(".json").read_text())
+    keys = {(row["case"], row["causal"], row["route"]) for row in res["rows"]}
+    one = ("distance (G = lam I)", "shared metric, r = 4")
+    sub = ("subspace, m = 1, r = 1", "subspace, m = 2, r = 2")
+    assert keys == ({(c, causal, rt) for c in one for causal in (False, True)
+                     for rt in ("operator", "sdpa_bias", "sdpa_lifted")}
+                    | {(c, causal, rt) for c in sub for causal in (False, True) for rt in ("sdpa_lifted", "operator")})
+    for row in res["rows"]:
+        assert row["sdpa_ms"] > 0 and row["ms"] > 0 and len(row["ratio_rounds"]) == 2 and row["predicted"] >= 1
+        assert abs(row["measured_over_predicted"] * row["predicted"] - row["ratio"]) < 1e-9
+    lifted = {row["m"]: row["predicted"] for row in res["rows"] if row["route"] == "sdpa_lifted" and row["m"]}
+    assert 1 < lifted[1] < lifted[2] < 1.1  # SDPA at head size d + m(m+1)/2 + 1 = 66, 68 against 64
+    assert set(res["summary"]) == {"one_metric", "subspace"}
+    assert res["summary"]["one_metric"]["table"] == res["machine"]["table"]["no_factor"]
+    assert res["machine"]["threads"] == 1 and len(res["machine"]["load_before"]) == 3
+    md = out.with_suffix(".md").read_text()
+    assert "| distance (G = lam I) | yes | sdpa_bias |" in md and "fastest exact route" in md
+
+
 def test_bench_import_tiny(tmp_path):
     out = tmp_path / "import.json"
     run("bench_import.py", "--runs", "1", "--out", str(out))

@@ -21,7 +21,10 @@ aten = torch.ops.aten
 CONFIGS = [dict(mode="euclidean"), dict(mode="riemannian"), dict(mode="riemannian", metric_side="mean"),
            dict(mode="riemannian", metric_side="query"), dict(mode="riemannian", connection="flat"),
            dict(mode="riemannian", shared_metric=True), dict(mode="fiber_bundle"),
-           dict(mode="fiber_bundle", metric_side="mean")]
+           dict(mode="fiber_bundle", metric_side="mean"), dict(mode="riemannian", metric_subspace=2),
+           dict(mode="riemannian", metric_subspace=2, metric_side="mean"),
+           dict(mode="riemannian", metric_subspace=3, metric_side="query"),
+           dict(mode="riemannian", metric_subspace=2, connection="flat")]
 
 
 def _inplace_bmm(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
@@ -75,8 +78,12 @@ def test_matmul_flops_and_activations_match_what_runs(extra, fused, monkeypatch)
     cost = estimate_cost(cfg, n, batch=2, fused_content=fused)
     tot = cost["flops"]["total"]
     # the math path does not recompute the scores in its backward, FlashAttention-2 does (2 n^2 hd per layer)
-    on_sdpa = cfg.mode == "euclidean" or (cfg.shared_metric and cfg.connection != "content")
+    m = cfg.metric_subspace
+    lifted = m is not None and cfg.connection_resolved == "trivial"  # factors in a subspace: SDPA, lifted inputs
+    on_sdpa = cfg.mode == "euclidean" or (cfg.shared_metric and cfg.connection != "content") or lifted
     head = cfg.qk_dim + (1 if cfg.mode != "euclidean" else 0)  # the dot-product form carries the key term
+    if lifted:  # and m(m+1)/2 coordinates per subspace side (both sides: m more for the key side's cross term)
+        head += m * (m + 1) // 2 * (2 if cfg.metric_side == "mean" else 1) + (m if cfg.metric_side == "mean" else 0)
     recompute = 2 * 2 * n * n * cfg.n_heads * head * cfg.n_layers if on_sdpa else 0
     assert tot["matmul_fwd"] == pytest.approx(fwd, rel=0.01)
     assert tot["matmul_bwd"] - recompute == pytest.approx(bwd, rel=0.01)
@@ -101,6 +108,21 @@ def test_pairwise_terms_and_memory_scale_as_expected():
     assert sum(half["activations"].values()) * 2 == pytest.approx(sum(c2["memory"]["activations"].values()))
     eu = estimate_cost(base.replace(mode="euclidean"), 1024)["flops"]
     assert eu["metric"]["total"] == eu["connection"]["total"] == 0
+
+
+def test_subspace_metrics_cost_a_wider_dot_product_not_r_products():
+    """With factors in an m-dim subspace the pairwise cost grows with m(m+1)/2, not with the rank r."""
+    base = rr.FiberBundleConfig.small(mode="riemannian", metric_rank=4)
+    sub = base.replace(metric_subspace=2)
+    for seq in (1024, 4096):
+        tok, lift = (estimate_cost(c, seq)["flops"]["attention"]["total"] for c in (base, sub))
+        eu = estimate_cost(base.replace(mode="euclidean"), seq)["flops"]["attention"]["total"]
+        assert eu < lift < tok
+        quick = rr.estimate_flops(sub, seq)["metric"]
+        assert quick < rr.estimate_flops(base, seq)["metric"]
+    r8 = estimate_cost(sub.replace(metric_rank=8), 4096)["flops"]["attention"]
+    r4 = estimate_cost(sub, 4096)["flops"]["attention"]
+    assert r8["total"] / r4["total"] < 1.01  # the rank only enters the per-token products
 
 
 @pytest.mark.parametrize("kw,match", [(dict(seq_len=0), "seq_len must be a positive int"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import check_same, check_tensor, shape_str
+from .._checks import broadcast_batch, check_same, check_tensor, shape_str
 from ..geometry.scores import _check_score_inputs
 
 __all__: list[str] = []
@@ -74,6 +74,37 @@ def check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q,
                          f"batch {shape_str(batch)} of query, key and value")
     return lam_t, scale, per_q, per_k, batch
 
+
+
+def check_subspace(U, name: str, x: Tensor, x_name: str, *, same_dtype: bool = True) -> None:
+    """Validate :class:`~riemannian_ref.geometry.metric.SubspaceFactors` given as ``name`` for the tokens of ``x``.
+
+    ``basis`` [..., d, m] with the dims of ``x`` [..., n, d] (the layout of a
+    shared factor), ``coef`` [..., n, m, r] with one dim more (the layout of
+    per-token factors), batch dims broadcasting together, on ``x``'s device
+    (and dtype, unless ``same_dtype`` is False: under autocast, before the
+    cast). The rest (batch against the other inputs, ``r`` against the other
+    side) is checked on the dense shape by :func:`check_attention_inputs`.
+    """
+    x = check_tensor(x, x_name, min_dim=2)
+    basis = check_tensor(U.basis, f"{name}.basis", min_dim=2)
+    coef = check_tensor(U.coef, f"{name}.coef", min_dim=3)
+    n, d = x.shape[-2], x.shape[-1]
+    if basis.dim() != x.dim() or basis.shape[-2] != d or basis.shape[-1] < 1:
+        raise ValueError(f"{name}.basis must have shape [..., d, m] with d = {d}, m >= 1 and {x.dim()} dims like "
+                         f"{x_name} {shape_str(x)} (one basis per head: [1, h, d, m] for inputs [B, h, n, d]), "
+                         f"got {shape_str(basis)}")
+    m = basis.shape[-1]
+    if coef.dim() != x.dim() + 1 or coef.shape[-3] != n or coef.shape[-2] != m:
+        raise ValueError(f"{name}.coef must have shape [..., n, m, r] with {x.dim() + 1} dims, n = {n} (the tokens "
+                         f"of {x_name}) and m = {m} (the columns of {name}.basis), got {shape_str(coef)}")
+    broadcast_batch({f"{name}.basis.shape[:-2]": basis.shape[:-2], f"{name}.coef.shape[:-3]": coef.shape[:-3]})
+    for part, t in (("basis", basis), ("coef", coef)):
+        if t.device != x.device:
+            raise ValueError(f"{name}.{part} is on device {t.device} but {x_name} is on {x.device}; move them to "
+                             "one device first")
+    if same_dtype:
+        check_same(x, x_name, [(f"{name}.basis", basis), (f"{name}.coef", coef)])
 
 
 def _broadcasts_to(shape, batch) -> bool:

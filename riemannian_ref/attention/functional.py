@@ -5,7 +5,9 @@ r"""Riemannian attention, the function other code calls.
 validates its inputs (errors name the argument), handles autocast and half
 precision, and dispatches calls without per-token factors to
 ``scaled_dot_product_attention`` (one metric for every pair is a dot product
-with a key bias), the others to the blockwise operator (private,
+with a key bias), as well as per-token factors that share one subspace
+(:class:`~riemannian_ref.geometry.metric.SubspaceFactors`: a dot product of
+width :math:`d + m(m+1)/2 + 1`), the others to the blockwise operator (private,
 :mod:`riemannian_ref.attention._blockwise`), which never holds more than one
 tile of scores, to Triton kernels for supported calls on CUDA tensors
 (private, :mod:`riemannian_ref.attention._triton`), or to the dense reference
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .._checks import reading_syncs, shape_str
+from ..geometry.metric import SubspaceFactors
 from ._blockwise import _RiemannianAttentionFn, block_sizes_for
 from ._op import TracedRiemannianAttentionFn
 from ._validate import autocast_dtype, check_attention_inputs
@@ -73,12 +76,18 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         combined with ``attn_mask`` (both apply).
     scale : float, optional
         :math:`1/\tau`, default :math:`1/\sqrt d`.
-    U_q : Tensor, shape [..., n_q, d, r] or [..., d, r], optional
+    U_q : Tensor, shape [..., n_q, d, r] or [..., d, r], or SubspaceFactors, optional
         Query metric factors (per token, or one shared metric); for
-        ``metric_side`` ``"query"`` and ``"mean"``.
-    U_k : Tensor, shape [..., n_k, d, r] or [..., d, r], optional
+        ``metric_side`` ``"query"`` and ``"mean"``. Per-token factors that
+        share one subspace, :math:`U_i = B C_i`, may come as
+        :class:`~riemannian_ref.geometry.metric.SubspaceFactors`
+        (``basis`` [..., d, m], ``coef`` [..., n_q, m, r]): the same call
+        with ``U_q = B C``, computed on SDPA (see the notes).
+    U_k : Tensor, shape [..., n_k, d, r] or [..., d, r], or SubspaceFactors, optional
         Key metric factors; for ``"key"`` and ``"mean"``. ``None`` with
-        ``metric_side="key"`` means :math:`G = \lambda I`.
+        ``metric_side="key"`` means :math:`G = \lambda I`. As for ``U_q``,
+        :class:`~riemannian_ref.geometry.metric.SubspaceFactors` (``coef``
+        [..., n_k, m, r]) stand for the per-token factors ``B C``.
     lam : float or Tensor, shape broadcastable to the batch
         Isotropic part :math:`\lambda > 0` (e.g. per head, ``[h]`` for inputs
         ``[B, h, n, d]``). With ``enable_gqa`` its last dimension may count
@@ -168,12 +177,34 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     shared metric :math:`M = \lambda I + U U^\top` for every pair) are
     exactly dot-product attention with a key bias
     (:func:`~riemannian_ref.geometry.scores.dot_product_form`): they run on
-    ``scaled_dot_product_attention`` (queries :math:`M q_i`, the bias
-    :math:`-\tfrac{s}{2} k_j^\top M k_j` added to the mask), on every device,
-    with SDPA's kernels and, on those kernels, SDPA's double backward.
+    ``scaled_dot_product_attention`` on lifted inputs (queries
+    :math:`[M q_i, 1]`, keys :math:`[k_j, -\tfrac12 k_j^\top M k_j]`), on
+    every device, with SDPA's kernels and, on those kernels, SDPA's double
+    backward.
+
+    Per-token factors in one subspace per head, :math:`U_j = B C_j` given
+    as :class:`~riemannian_ref.geometry.metric.SubspaceFactors` (``B``
+    [..., d, m], ``C_j`` [m, r]), are exactly dot-product attention too:
+    with :math:`P_j = C_j C_j^\top`, :math:`p_i = B^\top q_i` and
+    :math:`\ell(P)` the :math:`m(m+1)/2` upper-triangular entries of a
+    symmetric matrix (:math:`\ell_w(p)` those of :math:`p p^\top`, the
+    off-diagonal ones doubled), the key-side score is, up to a row constant,
+    ``scale`` times :math:`[q_i, \ell_w(p_i), 1] \cdot [G_j k_j, -\tfrac12
+    \ell(P_j), -\tfrac12 k_j^\top G_j k_j]`, one dot product of width
+    :math:`d + m(m+1)/2 + 1` whatever ``r`` (the query side mirrors it;
+    ``"mean"`` with both sides in subspaces adds :math:`m` more for the
+    cross term). Such calls run on SDPA on these lifted inputs, forward and
+    backward, on every device, while the other side has no per-token
+    factors outside a subspace and ``dropout_p == 0``; otherwise the factors
+    are multiplied out and the call takes the route a per-token call takes.
 
     The dispatch table, in order: nothing to compute, the dense reference;
-    no per-token factor and no dropout, SDPA; CUDA with ``triton`` and a
+    no per-token factor and no dropout, or factors in a subspace (above),
+    the exact route of the device (the private table ``_EXACT_ROUTES``:
+    SDPA on lifted inputs on CPU and CUDA, chosen from
+    ``benchmarks/bench_reductions.py`` on CPU and for SDPA's fused kernels
+    on CUDA; the alternatives, SDPA with the key term as a float mask and
+    the per-token operator, are exact too); CUDA with ``triton`` and a
     supported call, the Triton kernels; dropout, the dense reference; else
     the blockwise operator. The kernels are tested in
     Triton's interpreter against the dense reference; their speed on a GPU
@@ -181,6 +212,9 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     """
     from ._validate import group_heads
 
+    if isinstance(U_q, SubspaceFactors) or isinstance(U_k, SubspaceFactors):  # factors in a shared subspace
+        return _subspace_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
+                                   metric_side, enable_gqa, block_sizes)
     dev = query.device.type if isinstance(query, Tensor) else "cpu"
     ac = autocast_dtype(dev)
     if ac is not None:
@@ -244,14 +278,20 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
     if _FORCED_BACKEND == "triton":  # tests: the kernels on any device (_force_backend)
         return _forced_triton(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t,
                               metric_side, per_q, per_k, batch, blocks, g)
-    if (_FORCED_BACKEND is None and dropout_p == 0.0 and not (per_q and U_q.shape[-1])
-            and not (per_k and U_k.shape[-1])):
+    one_metric = dropout_p == 0.0 and not (per_q and U_q.shape[-1]) and not (per_k and U_k.shape[-1])
+    if _FORCED_BACKEND in _SDPA_ROUTES and not one_metric:
+        raise RuntimeError(f"riemannian_attention under _force_backend({_FORCED_BACKEND!r}): SDPA computes only "
+                           f"calls without per-token factors and without dropout exactly; this call has "
+                           f"{'dropout_p > 0' if dropout_p > 0.0 else 'per-token factors'}")
+    route = _FORCED_BACKEND if _FORCED_BACKEND is not None else _exact_route(query.device.type, "no_factor")
+    if one_metric and route in _SDPA_ROUTES:
         # no per-token factor: one metric for every pair, i.e. dot-product attention with a key bias (exact)
+        form = _sdpa_form if route == "sdpa_lifted" else _sdpa_bias_form
         if query.dtype in (torch.float16, torch.bfloat16):  # the expanded form cancels: float32, as everywhere
-            out = _sdpa_form(*_f32(query, key, value, attn_mask), is_causal, scale, _f32(U_q), _f32(U_k),
-                             _f32(lam_t), metric_side, batch, g)
+            out = form(*_f32(query, key, value, attn_mask), is_causal, scale, _f32(U_q), _f32(U_k), _f32(lam_t),
+                       metric_side, batch, g)
             return out.to(query.dtype)
-        return _sdpa_form(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, batch, g)
+        return form(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, batch, g)
     if dropout_p == 0.0 and _triton_path(query, value, attn_mask, U_q, U_k):
         from . import _triton  # imports triton: only here, on first use
         return _triton.attention_flat(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side,
@@ -315,7 +355,7 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
 
 
 def _sdpa_form(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, batch, g):
-    r"""A call without per-token factors, on ``scaled_dot_product_attention``.
+    r"""A call without per-token factors, on ``scaled_dot_product_attention`` of lifted inputs (``"sdpa_lifted"``).
 
     With one metric :math:`M = \lambda I + W W^\top` for every pair (``W`` the
     shared factors, times :math:`\sqrt{1/2}` for the mean side, as the
@@ -330,6 +370,28 @@ def _sdpa_form(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, 
     stays the caller's, compact. Grouped-query calls go to SDPA with
     ``enable_gqa`` while the key side has one head per key head.
     """
+    Mq, kMk = _one_metric(query, key, U_q, U_k, lam_t, metric_side)
+    qa = torch.cat([Mq, torch.ones_like(Mq[..., :1])], -1)
+    kb = torch.broadcast_shapes(key.shape[:-1], kMk.shape)
+    ka = torch.cat([key.expand(*kb, key.shape[-1]), (-0.5 * kMk).expand(kb).unsqueeze(-1)], -1)
+    return _sdpa_run(qa, ka, value, attn_mask, is_causal, scale, batch, g)
+
+
+def _sdpa_bias_form(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, batch, g):
+    r"""A call without per-token factors on SDPA, the key term as an additive float mask (``"sdpa_bias"``).
+
+    The same identity as :func:`_sdpa_form`, with queries :math:`M q_i`, the
+    keys as they are, and :math:`-\tfrac{s}{2} k_j^\top M k_j` added to the
+    mask (a ``[..., 1, n_k]`` row, broadcast over the queries). The mask then
+    needs a gradient (it depends on the keys), which SDPA's fused CPU
+    kernels do not give: this route runs on its math kernel.
+    """
+    Mq, kMk = _one_metric(query, key, U_q, U_k, lam_t, metric_side)
+    return _sdpa_run(Mq, key, value, attn_mask, is_causal, scale, batch, g, bias=(-0.5 * scale) * kMk)
+
+
+def _one_metric(query, key, U_q, U_k, lam_t, metric_side):
+    """``M q`` [..., n_q, d] and ``k^T M k`` [..., n_k] of the one metric of a call without per-token factors."""
     w = 0.5 if metric_side == "mean" else 1.0
     lam = lam_t[..., None, None] if lam_t.dim() else lam_t
     Mq = lam * query
@@ -338,11 +400,25 @@ def _sdpa_form(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, 
         if U is not None and U.shape[-1]:
             Mq = Mq + w * (query @ U) @ U.transpose(-1, -2)
             kMk = kMk + w * (key @ U).square().sum(-1)
-    qa = torch.cat([Mq, torch.ones_like(Mq[..., :1])], -1)
-    kb = torch.broadcast_shapes(key.shape[:-1], kMk.shape)
-    ka = torch.cat([key.expand(*kb, key.shape[-1]), (-0.5 * kMk).expand(kb).unsqueeze(-1)], -1)
-    mask = _relative_mask(attn_mask, is_causal, query.shape[-2], key.shape[-2]) \
+    return Mq, kMk
+
+
+def _sdpa_run(qa, ka, value, attn_mask, is_causal, scale, batch, g, bias=None):
+    """SDPA on queries ``qa`` and keys ``ka`` (lifted, or plain with a key ``bias`` [..., n_k] in the mask).
+
+    The grouped-query views of a validated call (``g > 1``: batch
+    ``[..., h_kv, g]``, key side ``[..., h_kv, 1]``) back to SDPA's layout,
+    the values padded with zero columns to the head size of the queries (the
+    fused kernels want one head size), the mask relative per row.
+    """
+    n_q, n_k = qa.shape[-2], ka.shape[-2]
+    mask = _relative_mask(attn_mask, is_causal, n_q, n_k) \
         if attn_mask is not None and attn_mask.dtype != torch.bool else attn_mask
+    if bias is not None:
+        from .reference import additive_mask
+
+        add = additive_mask(mask, False, n_q, n_k, qa)  # a boolean mask as 0 / -inf
+        mask = bias.unsqueeze(-2) if add is None else add + bias.unsqueeze(-2)
     gqa = g > 1 and ka.shape[-3] == 1
     if g > 1:  # views [..., h_kv, g] back to SDPA's layout: h_kv * g query heads
         qa = qa.expand(*batch, *qa.shape[-2:]).flatten(-4, -3)
@@ -364,6 +440,179 @@ def _sdpa_form(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, 
         ka = torch.cat([ka, ka.new_zeros(()).expand(*ka.shape[:-1], value.shape[-1] - ka.shape[-1])], -1)
     out = sdpa_mask_and_causal(qa, ka, value, mask, is_causal, scale, enable_gqa=gqa)[..., :dv]
     return out.unflatten(-3, (-1, g)) if g > 1 else out
+
+
+def _subspace_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side,
+                        enable_gqa, block_sizes):
+    r""":func:`riemannian_attention` of a call whose ``U_q`` or ``U_k`` is a :class:`SubspaceFactors`.
+
+    Validated as the call with the factors multiplied out (the checks run on
+    a zero-stride tensor of that shape, so nothing is multiplied out to
+    check), then, where :data:`_EXACT_ROUTES` says ``"sdpa_lifted"``, on SDPA
+    with the lifted queries and keys of :func:`_subspace_lift`; calls that
+    route elsewhere (dropout, per-token factors on the other side, a forced
+    backend, ``"operator"``) run as the same call with ``U = B C`` multiplied
+    out.
+    """
+    from ._validate import check_subspace, group_heads
+
+    dev = query.device.type if isinstance(query, Tensor) else "cpu"
+    ac = autocast_dtype(dev)
+    for name, U, x, x_name in (("U_q", U_q, query, "query"), ("U_k", U_k, key, "key")):
+        if isinstance(U, SubspaceFactors):
+            check_subspace(U, name, x, x_name, same_dtype=ac is None)
+    if ac is not None:  # mixed precisions in, float32 computed, the autocast dtype out (as the other calls)
+        f64 = query.dtype == torch.float64
+        with torch.autocast(dev, enabled=False):
+            cast = (lambda t: t) if f64 else _f32_factors  # noqa: E731
+            out = riemannian_attention(cast(query), cast(key), cast(value), cast(attn_mask), dropout_p, is_causal,
+                                       scale, U_q=cast(U_q), U_k=cast(U_k), lam=cast(lam), metric_side=metric_side,
+                                       enable_gqa=enable_gqa, block_sizes=block_sizes)
+        return out if f64 else out.to(ac)
+    # validate as the call with U = B C, on zero-stride stand-ins of that shape
+    stand = {id(U): U.coef.new_zeros(()).expand(*torch.broadcast_shapes(U.basis.shape[:-2], U.coef.shape[:-3]),
+                                                  U.coef.shape[-3], U.basis.shape[-2], U.coef.shape[-1])
+             for U in (U_q, U_k) if isinstance(U, SubspaceFactors)}
+    Pq, Pk = (stand.get(id(U), U) for U in (U_q, U_k))
+    g = 1
+    if enable_gqa:
+        hq, hk = (query.shape[-3], key.shape[-3]) if query.dim() >= 3 and key.dim() >= 3 else (1, 1)
+        g, query, key, value, attn_mask, Pq, Pk, lam = group_heads(query, key, value, attn_mask, Pq, Pk, lam)
+        if g > 1:
+            U_q, U_k = (_group_subspace(U, hq, hk) if isinstance(U, SubspaceFactors) else P
+                        for U, P in ((U_q, Pq), (U_k, Pk)))
+        else:
+            U_q, U_k = (U if isinstance(U, SubspaceFactors) else P for U, P in ((U_q, Pq), (U_k, Pk)))
+    lam_t, scale, per_q, per_k, batch = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal,
+                                                               scale, Pq, Pk, lam, metric_side)
+    blocks = _check_block_sizes(block_sizes) if block_sizes is not None else None
+    other = U_k if isinstance(U_q, SubspaceFactors) else U_q
+    other_per_token = isinstance(other, Tensor) and other.dim() == (key if other is U_k else query).dim() + 1 \
+        and other.shape[-1] > 0
+    route = _FORCED_BACKEND if _FORCED_BACKEND is not None else _exact_route(query.device.type, "subspace")
+    lifted = route == "sdpa_lifted" and dropout_p == 0.0 and not other_per_token
+    if _FORCED_BACKEND in _SDPA_ROUTES and not lifted:
+        why = "the key term of a subspace metric is not a per-key bias" if route == "sdpa_bias" else \
+            "dropout_p > 0" if dropout_p > 0.0 else "the other side has per-token factors outside the subspace"
+        raise RuntimeError(f"riemannian_attention under _force_backend({route!r}): SDPA does not compute this "
+                           f"call exactly: {why}")
+    if not lifted or query.shape[-2] == 0 or math.prod(batch) == 0:
+        dense = (U.dense() if isinstance(U, SubspaceFactors) else U for U in (U_q, U_k))
+        out = _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, *dense, lam_t, metric_side,
+                        per_q, per_k, batch, blocks, g)
+    elif query.dtype in (torch.float16, torch.bfloat16):  # the expanded form cancels: float32, as everywhere
+        out = _sdpa_subspace(*_f32(query, key, value, attn_mask), is_causal, scale, _f32_factors(U_q),
+                             _f32_factors(U_k), _f32(lam_t), metric_side, batch, g).to(query.dtype)
+    else:
+        out = _sdpa_subspace(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, batch,
+                             g)
+    return out.flatten(-4, -3) if g > 1 else out
+
+
+def _sdpa_subspace(query, key, value, attn_mask, is_causal, scale, U_q, U_k, lam_t, metric_side, batch, g):
+    """A subspace call on SDPA: :func:`_subspace_lift`, then :func:`_sdpa_run`."""
+    qa, ka = _subspace_lift(query, key, U_q, U_k, lam_t, metric_side)
+    return _sdpa_run(qa, ka, value, attn_mask, is_causal, scale, batch, g)
+
+
+def _subspace_lift(query, key, U_q, U_k, lam_t, metric_side):
+    r"""Lifted queries and keys whose dot products are the scores over ``scale``, up to row constants.
+
+    For the key side, :math:`G_j = M + B P_j B^\top` with :math:`P_j = C_j C_j^\top`
+    (:math:`m \times m`) and :math:`M = \lambda I + \sum W W^\top` (shared
+    factors), :math:`p_i = B^\top q_i`, :math:`\kappa_j = B^\top k_j`:
+
+    .. math::
+        -\tfrac12 (q_i - k_j)^\top G_j (q_i - k_j) + \tfrac12 q_i^\top M q_i
+        = \big[q_i,\ \ell_w(p_i),\ 1\big] \cdot
+          \big[G_j k_j,\ -\tfrac12 \ell(P_j),\ -\tfrac12 k_j^\top G_j k_j\big],
+
+    :math:`\ell(P)` the upper triangle of :math:`P` (:math:`m(m+1)/2` numbers)
+    and :math:`\ell_w(p)` that of :math:`p p^\top` with the off-diagonal
+    entries doubled, so that :math:`\ell_w(p) \cdot \ell(P) = p^\top P p`:
+    width :math:`d + m(m+1)/2 + 1`. The query side is the mirror image (the
+    query's metric moves to the query, :math:`\ell_w(B^\top k_j)` to the
+    key). With both sides in subspaces (``"mean"``, weights 1/2) the cross
+    term of the key side takes an :math:`m`-block of its own,
+    :math:`p_i \cdot P_j \kappa_j`: width
+    :math:`d + m_k + m_k(m_k+1)/2 + m_q(m_q+1)/2 + 1`. The other side may be
+    absent, a shared factor (in :math:`M`) or per-token with ``r = 0``.
+    """
+    w = 0.5 if metric_side == "mean" else 1.0
+    lam = lam_t[..., None, None] if lam_t.dim() else lam_t
+    shared = [U for U in (U_q, U_k) if isinstance(U, Tensor) and U.shape[-1] and U.dim() == query.dim()]
+
+    def metric(x):  # M x, M = lam I + w sum W W^T
+        out = lam * x
+        for W in shared:
+            out = out + w * (x @ W) @ W.transpose(-1, -2)
+        return out
+
+    Sq = U_q if isinstance(U_q, SubspaceFactors) else None
+    Sk = U_k if isinstance(U_k, SubspaceFactors) else None
+    Mk = metric(key)
+    k_term = (key * Mk).sum(-1)  # k^T M k (+ the subspace parts below)          (..., n_k)
+    q_mid, k_mid = [], []  # the blocks between the base block and the constant
+    if Sk is not None:
+        Bk, Ck = Sk
+        Pk = w * (Ck @ Ck.transpose(-1, -2))  # w P_j                                (..., n_k, m, m)
+        kap = key @ Bk  # B^T k_j                                                   (..., n_k, m)
+        Pkap = (Pk @ kap.unsqueeze(-1)).squeeze(-1)  # w P_j B^T k_j                 (..., n_k, m)
+        k_term = k_term + (kap * Pkap).sum(-1)
+        p = query @ Bk  # B^T q_i                                                   (..., n_q, m)
+        if Sq is not None:  # the key side's cross term in an m-block of its own
+            q_mid.append(p)
+            k_mid.append(Pkap)
+        q_mid.append(_sym_lift(p))
+        k_mid.append(-0.5 * _sym_coords(Pk))
+    if Sq is not None:
+        Bq, Cq = Sq
+        Pq = w * (Cq @ Cq.transpose(-1, -2))  # w P_i                                (..., n_q, m, m)
+        pi = query @ Bq  # B^T q_i                                                  (..., n_q, m)
+        q_base = metric(query) + ((Pq @ pi.unsqueeze(-1)).squeeze(-1)) @ Bq.transpose(-1, -2)  # G_i q_i
+        k_base = key
+        q_mid.append(-0.5 * _sym_coords(Pq))
+        k_mid.append(_sym_lift(key @ Bq))
+    else:  # key side only: the cross term is q_i . G_j k_j
+        q_base, k_base = query, Mk + Pkap @ Bk.transpose(-1, -2)
+    qa = _cat_last([q_base, *q_mid, torch.ones_like(query[..., :1])])
+    ka = _cat_last([k_base, *k_mid, (-0.5 * k_term).unsqueeze(-1)])
+    return qa, ka
+
+
+def _sym_coords(P: Tensor) -> Tensor:
+    """The upper triangle (diagonal included) of symmetric matrices [..., m, m], as [..., m(m+1)/2]."""
+    i, j = torch.triu_indices(P.shape[-1], P.shape[-1], device=P.device)
+    return P[..., i, j]
+
+
+def _sym_lift(p: Tensor) -> Tensor:
+    """The upper triangle of :math:`p p^\\top` with off-diagonal entries doubled, [..., m(m+1)/2] for p [..., m]."""
+    m = p.shape[-1]
+    i, j = torch.triu_indices(m, m, device=p.device)
+    wts = torch.where(i == j, 1.0, 2.0).to(p.dtype)
+    return p[..., i] * p[..., j] * wts
+
+
+def _cat_last(parts):
+    """Concatenate along the last dimension after broadcasting the others."""
+    lead = torch.broadcast_shapes(*(t.shape[:-1] for t in parts))
+    return torch.cat([t.expand(*lead, t.shape[-1]) for t in parts], -1)
+
+
+def _group_subspace(U: SubspaceFactors, hq: int, hk: int) -> SubspaceFactors:
+    """The grouped-query views of :class:`SubspaceFactors` (``basis`` heads at -3, ``coef`` heads at -4)."""
+    g = hq // hk
+
+    def split(t, dim):
+        return t.unflatten(dim, (hk, g)) if t.shape[dim] == hq else t.unsqueeze(dim % t.dim() + 1)
+
+    return SubspaceFactors(split(U.basis, -3), split(U.coef, -4))
+
+
+def _f32_factors(t):
+    """:func:`_f32` that also converts the parts of :class:`SubspaceFactors`."""
+    return SubspaceFactors(*_f32(t.basis, t.coef)) if isinstance(t, SubspaceFactors) else _f32(t)
 
 
 def sdpa_mask_and_causal(q, k, v, attn_mask, is_causal, scale, dropout_p=0.0, enable_gqa=False):
@@ -414,13 +663,40 @@ def _relative_mask(attn_mask, is_causal: bool, n_q: int, n_k: int):
 
 _FORCED_BACKEND: str | None = None  # set only by _force_backend
 
+#: The route of the calls that SDPA computes exactly, per device type and kind of call: ``"no_factor"``
+#: (no per-token factor: ``G = lam I`` or one shared metric, no dropout) and ``"subspace"`` (per-token factors
+#: given as :class:`~riemannian_ref.geometry.metric.SubspaceFactors`, the other side without per-token
+#: factors, no dropout). Routes: ``"sdpa_lifted"``, SDPA on lifted inputs (one extra coordinate for the key
+#: term, ``m(m+1)/2`` more for a subspace); ``"sdpa_bias"`` (``"no_factor"`` only), SDPA with the key term as an
+#: additive float mask, which needs its gradient and so runs on SDPA's math kernel; ``"operator"``, the
+#: per-token path (the Triton kernels on CUDA, else the blockwise operator; subspace factors multiplied out).
+#: All three are exact. A device type not listed takes ``"sdpa_lifted"``. CPU: the route that
+#: ``benchmarks/bench_reductions.py`` (fwd+bwd at B = 4, h = 4, n = 1024, d = 64, two threads) finds fastest;
+#: its summary names that route next to this entry, which follows it. CUDA: SDPA on lifted inputs, so that
+#: SDPA's fused kernels compute. Nothing is timed inside the library: the table is read, not measured.
+_EXACT_ROUTES: dict[str, dict[str, str]] = {
+    "cpu": {"no_factor": "sdpa_lifted", "subspace": "sdpa_lifted"},
+    "cuda": {"no_factor": "sdpa_lifted", "subspace": "sdpa_lifted"},
+}
+_SDPA_ROUTES = ("sdpa_lifted", "sdpa_bias")
+
+
+def _exact_route(device_type: str, kind: str) -> str:
+    """The route of :data:`_EXACT_ROUTES` for a device type and a kind of call (``"no_factor"``, ``"subspace"``)."""
+    return _EXACT_ROUTES.get(device_type, {}).get(kind, "sdpa_lifted")
+
 
 @contextlib.contextmanager
 def _force_backend(name: str):
     """Make every :func:`riemannian_attention` call in the block run on one backend (private, for tests).
 
     ``_force_backend("blockwise")``: the CPU operator also for the calls that
-    would go to SDPA (no per-token factor), so its tests reach it.
+    would go to SDPA (no per-token factor, or factors in a shared subspace,
+    multiplied out), so its tests reach it. ``_force_backend("sdpa_lifted")``
+    and ``_force_backend("sdpa_bias")``: that route of :data:`_EXACT_ROUTES`
+    for every call it computes exactly (``"sdpa_bias"``: calls without
+    per-token factors; ``"sdpa_lifted"``: those and subspace factors), and a
+    ``RuntimeError`` for any other call (per-token factors, dropout).
     ``_force_backend("triton")``, in the spirit of
     ``torch.nn.attention.sdpa_kernel``: the dispatch sends every call with
     something to compute to the Triton kernels, on any device (CPU tensors
@@ -433,8 +709,9 @@ def _force_backend(name: str):
     Not thread-safe: it sets a module-level flag for the duration of the block.
     """
     global _FORCED_BACKEND
-    if name not in ("triton", "blockwise"):
-        raise ValueError(f"backend must be 'triton' or 'blockwise' (the backends that can be forced), got {name!r}")
+    if name not in ("triton", "blockwise", *_SDPA_ROUTES):
+        raise ValueError(f"backend must be 'triton', 'blockwise', 'sdpa_lifted' or 'sdpa_bias' (the backends that "
+                         f"can be forced), got {name!r}")
     before = _FORCED_BACKEND
     _FORCED_BACKEND = name
     try:

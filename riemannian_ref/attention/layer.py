@@ -31,10 +31,11 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_bool, check_choice, check_int, check_number, check_tensor, shape_str
-from ..geometry.metric import LAM_MIN, MetricNet, raw_from_lam
+from ..geometry.metric import LAM_MIN, MetricNet, SubspaceFactors, raw_from_lam
 from ..geometry.scores import METRIC_SIDES, riemannian_scores
 from ._validate import autocast_dtype
 from .connections import CONNECTIONS, connection_attention, rotary_frequencies
+from .functional import riemannian_attention
 
 CONTENT_CONNECTIONS = ("content", "content_source")  # connections with learned per-token rates
 
@@ -79,6 +80,14 @@ class AttentionConfig:
     metric_bias : bool, default False
         ``metric="token"``: an affine metric network :math:`U_i = W x_i + b`
         (:class:`~riemannian_ref.geometry.metric.MetricNet` ``bias``).
+    subspace : int or None, default None
+        ``metric="token"``: per-token factors that share one learned subspace
+        of dimension :math:`m` per head, :math:`U_i = B\,C_i`
+        (:class:`~riemannian_ref.geometry.metric.MetricNet` ``subspace``),
+        :math:`1 \le m \le` ``head_dim``; with the trivial connection
+        attention then runs on SDPA as one dot product of width
+        :math:`d + m(m+1)/2 + 1` (with another connection the factors are
+        multiplied out and take that connection's path). Needs ``rank >= 1``.
     max_positions : int, default 1024
         ``metric="position"``: the number of positions the metric field covers
         (the longest sequence).
@@ -134,6 +143,7 @@ class AttentionConfig:
     scores: str = "metric"           # "metric" (Riemannian distance) or "dot" (scaled dot product)
     metric: str = "token"            # "token" (from the states), "shared" (one per head), "position" (per position)
     metric_bias: bool = False        # metric="token": affine metric network U_i = W x_i + b
+    subspace: int | None = None      # metric="token": factors U_i = B C_i in one learned m-dim subspace per head
     max_positions: int = 1024        # metric="position": positions the metric field covers
     metric_side: str = "key"         # "key" | "query" | "mean": whose metric measures a pair
     rank: int = 2                    # r; 0 gives G = lam I
@@ -175,6 +185,12 @@ class AttentionConfig:
         if self.metric_bias and self.metric != "token":
             raise ValueError(f"metric_bias=True needs metric='token' (metrics computed from the states), "
                              f"got metric={self.metric!r}")
+        if self.subspace is not None:
+            _pos_int(self.subspace, "subspace", 1, self.qk_dim)
+            if self.scores != "metric" or self.metric != "token" or self.rank == 0:
+                raise ValueError(f"subspace needs per-token metrics of rank >= 1 computed from the states "
+                                 f"(scores='metric', metric='token', rank >= 1), got scores={self.scores!r}, "
+                                 f"metric={self.metric!r}, rank={self.rank!r}")
         _number(self.strength, "strength", low=0.0)
         raw_from_lam(self.lam_init, self.lam_min)  # lam_init > lam_min > 0, finite
         _number(self.rotary_base, "rotary_base", low=1.0, low_open=True)
@@ -250,7 +266,8 @@ class RiemannianAttention(nn.Module):
         if cfg.scores == "metric":
             kw = dict(lam_init=cfg.lam_init, lam_min=cfg.lam_min, strength=cfg.strength,
                       shared=cfg.metric == "shared", bias=cfg.metric_bias,
-                      n_positions=cfg.max_positions if cfg.metric == "position" else None)
+                      n_positions=cfg.max_positions if cfg.metric == "position" else None,
+                      subspace=cfg.subspace)
             # One metric field: a token's metric is the same whether it queries or is queried.
             # In cross-attention the two sides are different states: one network per side used.
             if not cfg.cross_attention or cfg.metric_side in ("key", "mean"):
@@ -324,10 +341,11 @@ class RiemannianAttention(nn.Module):
         Returns
         -------
         lam : Tensor, shape [h], or None for ``scores="dot"``
-        U_q, U_k : Tensor or None
-            ``[B, h, n, d, r]`` per token or ``[1, h, d, r]`` shared, each None
-            when ``metric_side`` does not use it. The learned temperature is
-            folded in.
+        U_q, U_k : Tensor, SubspaceFactors or None
+            ``[B, h, n, d, r]`` per token or ``[1, h, d, r]`` shared (with
+            ``subspace``: :class:`~riemannian_ref.geometry.metric.SubspaceFactors`),
+            each None when ``metric_side`` does not use it. The learned
+            temperature is folded in.
         rates : Tensor or None
             ``"flat"``: [d/2]; content connections: the per-token rates
             [B, h, n, d/2] (how an edge combines them:
@@ -368,6 +386,7 @@ class RiemannianAttention(nn.Module):
         """
         q, k, _ = self.project(x)
         lam, U_q, U_k, _ = self.geometry(x)
+        U_q, U_k = _dense_factor(U_q), _dense_factor(U_k)
         if lam is None:
             return q @ k.transpose(-1, -2) / math.sqrt(self.config.qk_dim)
         return riemannian_scores(q, k, U_q, U_k, lam=lam, metric_side=self.config.metric_side)
@@ -432,6 +451,14 @@ class RiemannianAttention(nn.Module):
         q, k, v = self.project(x, context)
         lam, U_q, U_k, rates = self.geometry(x, context)
         p = cfg.dropout if self.training else 0.0
+        if isinstance(U_k, SubspaceFactors) or isinstance(U_q, SubspaceFactors):
+            if cfg.connection == "trivial" and not return_weights:  # one dot product: SDPA (riemannian_attention)
+                o = riemannian_attention(q, k, v, mask, p, is_causal, U_q=U_q, U_k=U_k, lam=lam,
+                                         metric_side=cfg.metric_side)
+                out = self.out_proj(o.transpose(1, 2).reshape(B, n_q, cfg.n_heads * cfg.v_dim))
+                return out, None
+            # a transport turns each token's subspace: the factors multiplied out (once where both sides share them)
+            U_q, U_k = (_dense_factor(U_q),) * 2 if U_q is U_k else (_dense_factor(U_q), _dense_factor(U_k))
         res = connection_attention(
             q, k, v, mask, p, is_causal, None, U_q=U_q, U_k=U_k, lam=lam if lam is not None else 1.0,
             metric_side=cfg.metric_side, scores=cfg.scores, connection=cfg.connection, rates=rates,
@@ -441,11 +468,18 @@ class RiemannianAttention(nn.Module):
         return out, A
 
 
-def _scale_factor(U: Tensor | None, s: Tensor) -> Tensor | None:
-    """Multiply a per-head factor ([B, h, n, d, r] or [1, h, d, r]) by s [h]."""
+def _scale_factor(U, s: Tensor):
+    """Multiply a per-head factor ([B, h, n, d, r], [1, h, d, r] or SubspaceFactors) by s [h]."""
     if U is None:
         return None
+    if isinstance(U, SubspaceFactors):  # B (C s): the coefficients carry the scale
+        return SubspaceFactors(U.basis, U.coef * s.view(-1, 1, 1, 1))
     return U * (s.view(-1, 1, 1, 1) if U.dim() == 5 else s.view(-1, 1, 1))
+
+
+def _dense_factor(U):
+    """Per-token factors as one tensor (SubspaceFactors multiplied out); anything else unchanged."""
+    return U.dense() if isinstance(U, SubspaceFactors) else U
 
 
 def _combine_masks(attn_mask: Tensor | None, key_mask: Tensor | None, B: int, n_k: int) -> Tensor | None:

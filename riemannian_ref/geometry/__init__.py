@@ -1,7 +1,8 @@
 """Geometry of per-token metrics: the metrics, the scores they give, rank bounds, distances and geodesics.
 
 - :mod:`~riemannian_ref.geometry.metric`: :class:`LowRankMetric` (Woodbury solve,
-  log-determinant, ...) and :class:`MetricNet` (token states to metric factors).
+  log-determinant, ...), :class:`MetricNet` (token states to metric factors) and
+  :class:`SubspaceFactors` (per-token factors in one shared subspace).
 - :mod:`~riemannian_ref.geometry.scores`: the Riemannian score matrix, dense.
 - :mod:`~riemannian_ref.geometry.rank_bounds`: Theorem 1's bounds and factors.
 - :mod:`~riemannian_ref.geometry.geodesics`: pair distances and segment lengths.

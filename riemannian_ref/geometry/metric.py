@@ -14,13 +14,14 @@ by :meth:`LowRankMetric.dense`, for checking.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from .._checks import as_positive, broadcast_batch, check_bool, check_same, check_tensor, shape_str
 
-__all__ = ["LowRankMetric", "MetricNet", "LAM_MIN", "lam_from_raw", "raw_from_lam"]
+__all__ = ["LowRankMetric", "MetricNet", "SubspaceFactors", "LAM_MIN", "lam_from_raw", "raw_from_lam"]
 
 #: Default floor :math:`\lambda_{\min}` of every learned isotropic part: with
 #: :math:`\lambda = \mathrm{softplus}(\rho) + \lambda_{\min}` the metric
@@ -317,6 +318,43 @@ class LowRankMetric:
         return LowRankMetric(None, U, delta=delta.expand(*batch, self.d))
 
 
+class SubspaceFactors(NamedTuple):
+    r"""Per-token metric factors that share one subspace per head: :math:`U_j = B\,C_j`.
+
+    The metric of token :math:`j` is
+    :math:`G_j = \lambda I + B\,C_j C_j^\top B^\top`: heterogeneous (every
+    token has its own :math:`C_j`), but every token's low-rank part lives in
+    the column space of one basis :math:`B` of :math:`m` columns. Pass it to
+    :func:`~riemannian_ref.attention.functional.riemannian_attention` as
+    ``U_k`` (or ``U_q``) where the per-token tensor ``B C`` would go: the
+    scores are then one dot product of width :math:`d + m(m+1)/2 + 1`
+    (chapter 6), and the call runs on ``scaled_dot_product_attention``,
+    forward and backward. :class:`MetricNet` with ``subspace=m`` returns
+    this type.
+
+    Parameters
+    ----------
+    basis : Tensor, shape [..., d, m]
+        :math:`B`, laid out as a shared factor (e.g. ``[1, h, d, m]``: one
+        basis per head), :math:`m \ge 1`.
+    coef : Tensor, shape [..., n, m, r]
+        :math:`C_j` of every token, laid out as per-token factors with
+        :math:`m` in place of :math:`d`; its batch dimensions broadcast
+        against ``basis``'s. ``r = 0`` is allowed (then :math:`G = \lambda I`).
+    """
+
+    basis: Tensor
+    coef: Tensor
+
+    def dense(self) -> Tensor:
+        """The per-token factors :math:`U_j = B C_j` as one tensor, shape [..., n, d, r].
+
+        One product of the basis with every token's coefficients (the basis is
+        not copied per token).
+        """
+        return torch.einsum("...dm,...nmr->...ndr", self.basis, self.coef)
+
+
 class MetricNet(nn.Module):
     r"""A metric network: token states to per-head metric factors.
 
@@ -367,6 +405,18 @@ class MetricNet(nn.Module):
         per position and head, :math:`U_p` (a parameter ``[n_positions, h, d, r]``,
         entries of the shared factor's variance); the token at position
         :math:`p` (``0..n-1``) gets :math:`U_p` whatever its state.
+    subspace : int or None
+        Per-token factors that share one learned subspace per head,
+        :math:`U_i = B\,C_i` with a basis :math:`B` (a parameter ``[h, d, m]``,
+        :math:`m` = ``subspace`` :math:`\le d`) and :math:`C_i = W x_i`
+        (``[m, r]``, ``+ b`` with ``bias``): ``forward`` returns a
+        :class:`SubspaceFactors`, on which attention runs as one dot product
+        of width :math:`d + m(m+1)/2 + 1` (SDPA's kernels) instead of the
+        per-token operator. :math:`B` starts with orthonormal columns times
+        :math:`\sqrt{d/m}` and :math:`C_i` with the variance of a per-token
+        factor, so :math:`\mathbb{E}\,\|U_i^\top v\|^2 = \mathrm{strength}^2 \|v\|^2`
+        (on average over the basis) as without it. Needs ``rank >= 1`` and
+        per-token metrics computed from the states.
 
     Notes
     -----
@@ -380,7 +430,7 @@ class MetricNet(nn.Module):
     def __init__(self, d_model: int, n_heads: int, head_dim: int, rank: int, *,
                  lam_init: float = 1.0, lam_min: float = LAM_MIN, strength: float = 1.0,
                  shared: bool = False, diagonal: bool = False, bias: bool = False,
-                 n_positions: int | None = None):
+                 n_positions: int | None = None, subspace: int | None = None):
         super().__init__()
         for name, val in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim)):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
@@ -401,15 +451,32 @@ class MetricNet(nn.Module):
                 raise ValueError("n_positions (a metric per position) excludes shared=True and diagonal=True")
         if bias and (shared or n_positions is not None):
             raise ValueError("bias=True needs metrics computed from the states (shared=False, n_positions=None)")
+        if subspace is not None:
+            if isinstance(subspace, bool) or not isinstance(subspace, int) or not 1 <= subspace <= head_dim:
+                raise ValueError(f"subspace must be an int in [1, head_dim = {head_dim}] or None, got {subspace!r}")
+            if shared or diagonal or n_positions is not None:
+                raise ValueError("subspace (per-token factors in a shared subspace) needs per-token metrics "
+                                 "computed from the states: shared=False, diagonal=False, n_positions=None")
+            if rank == 0:
+                raise ValueError("subspace needs rank >= 1 (with rank 0 there is no factor to place)")
         rho = raw_from_lam(lam_init, lam_min)
         self.d_model, self.n_heads, self.head_dim, self.rank = d_model, n_heads, head_dim, rank
         self.lam_min, self.shared, self.diagonal = lam_min, shared, diagonal
-        self.n_positions = n_positions
+        self.n_positions, self.subspace = n_positions, subspace
         h, d, r = n_heads, head_dim, rank
         self.rho = nn.Parameter(torch.full((h,), rho))
-        self.proj = self.U = self.U_pos = None
+        self.proj = self.U = self.U_pos = self.basis = None
         std_shared = strength / math.sqrt(max(r, 1))  # entries of a factor not computed from the state
-        if shared:
+        if subspace is not None:
+            m = subspace
+            Q, R = torch.linalg.qr(torch.randn(h, d, m))  # orthonormal columns (Haar), times sqrt(d/m)
+            Q = Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)
+            self.basis = nn.Parameter(Q * math.sqrt(d / m))  # (h, d, m)
+            self.proj = nn.Linear(d_model, h * m * r, bias=bias)  # C_i = W x_i (+ b), (m, r) per head
+            nn.init.normal_(self.proj.weight, std=strength / math.sqrt(d_model * r))
+            if bias:
+                nn.init.normal_(self.proj.bias, std=std_shared)
+        elif shared:
             self.U = nn.Parameter(torch.randn(h, d, r) * std_shared)  # (h, d, r)
         elif n_positions is not None:
             self.U_pos = nn.Parameter(torch.randn(n_positions, h, d, r) * std_shared)  # (P, h, d, r)
@@ -434,7 +501,7 @@ class MetricNet(nn.Module):
             raise ValueError(f"x must have shape [B, n, {self.d_model}], got {shape_str(x)}")
         return x
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | SubspaceFactors]:
         """Metric factors for every token and head.
 
         Parameters
@@ -448,11 +515,17 @@ class MetricNet(nn.Module):
         U : Tensor, shape [B, h, n, d, r], or [1, h, d, r] when ``shared``
             (a shared factor broadcasts against the batch of queries and keys),
             or [1, h, n, d, r] with ``n_positions`` (the factors of positions
-            ``0..n-1``, the same for every sequence).
+            ``0..n-1``, the same for every sequence); with ``subspace`` a
+            :class:`SubspaceFactors` of ``basis`` [1, h, d, m] and ``coef``
+            [B, h, n, m, r] (``U.dense()`` is the [B, h, n, d, r] tensor).
         """
         x = self._check_x(x)
         B, n, _ = x.shape
         h, d, r = self.n_heads, self.head_dim, self.rank
+        if self.basis is not None:
+            m = self.subspace
+            C = self.proj(x).view(B, n, h, m, r).permute(0, 2, 1, 3, 4)  # (B, h, n, m, r)
+            return self.lam().to(x.dtype), SubspaceFactors(self.basis.to(x.dtype).unsqueeze(0), C)
         if self.shared:
             U = self.U.to(x.dtype).unsqueeze(0)  # (1, h, d, r)
         elif self.U_pos is not None:

@@ -153,7 +153,12 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
     Matmuls are counted exactly; elementwise work (softmax, rotations, the
     content transport) at one FLOP per scalar operation, an estimate. The
     pairwise low-rank products cost ``2 n^2 D r`` per one-sided metric
-    (``"mean"``: twice). Returns per-component FLOPs and ``"total"``.
+    (``"mean"``: twice); with ``metric_subspace = m`` (and the trivial
+    connection) the scores are one dot product of width
+    :math:`d + m(m+1)/2 + 1` instead, so the metric adds the
+    :math:`m(m+1)/2` extra coordinates of the scores and of the padded values
+    (:math:`4 n^2 h m (m+1)/2` per side), whatever the rank. Returns
+    per-component FLOPs and ``"total"``.
 
     Parameters
     ----------
@@ -183,8 +188,14 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
     out["projections"] = L * 2 * n * (3 * D * hd + hd * D)  # q, k, v, out
     out["scores"] = L * 2 * n * n * hd  # q_i . k_j (+ norms, lower order)
     out["softmax_mix"] = L * (5 * n * n * h + 2 * n * n * hd)  # softmax + A V
-    if cfg.mode != "euclidean":
-        net = 0 if cfg.shared_metric else 2 * n * D * hd * r  # the metric network
+    m = cfg.metric_subspace
+    if cfg.mode != "euclidean" and m is not None and cfg.connection_resolved == "trivial":
+        # factors B C_i in an m-dim subspace: the scores are one dot product of width d + m(m+1)/2 + 1 per side
+        # (both sides: m more), the values padded to it; the network computes C_i (m r numbers per head)
+        extra = (m * (m + 1) // 2) * sides + (m if sides == 2 else 0)
+        out["metric"] = L * (2 * n * D * h * m * r + 4 * n * n * h * extra)
+    elif cfg.mode != "euclidean":
+        net = 0 if cfg.shared_metric else 2 * n * D * (h * m if m is not None else hd) * r  # the metric network
         pair = 0 if cfg.shared_metric else sides * 2 * n * n * hd * r  # U^T (q - k) for every pair
         out["metric"] = L * (net + pair)
     if conn == "flat":
@@ -229,7 +240,10 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
 
     Matrix products (2 FLOPs per multiply-add) are counted as the kernels
     execute them: SDPA as FlashAttention-2 (the backward recomputes the
-    scores: :math:`10 n^2 hd` against :math:`4 n^2 hd` forward); the
+    scores: :math:`10 n^2 hd` against :math:`4 n^2 hd` forward), for one
+    metric per head at head size :math:`d + 1` and for ``metric_subspace = m``
+    at :math:`d + m(m+1)/2 + 1` (``"mean"``: :math:`d + m + m(m+1) + 1`),
+    with the lift's per-token products; the
     blockwise operator with its stacked products of inner size ``d + 2``
     (``1 + r`` of them per key, ``r`` more per query for ``"query"`` and
     ``"mean"``), its ``P [V | 1]`` and ``[dO | -D] [V | 1]^T`` products and a
@@ -295,6 +309,8 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
     per_token = metric_scores and not cfg.shared_metric and r > 0
     rk = r if per_token and cfg.metric_side in ("key", "mean") else 0
     rq = r if per_token and cfg.metric_side in ("query", "mean") else 0
+    m = cfg.metric_subspace if per_token else None  # factors B C_i in an m-dimensional subspace per head
+    lifted = m is not None and conn == "trivial"  # then one dot product of width d + m(m+1)/2 + 1: SDPA
     parts = {p: dict(matmul_fwd=0.0, matmul_bwd=0.0, elementwise_fwd=0.0, elementwise_bwd=0.0)
              for p in _COST_PARTS}
     act = dict.fromkeys(_COST_PARTS + ("norms",), 0.0)  # stored elements per sequence
@@ -352,6 +368,25 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
             stored = n2 * (hd * (0.5 + 1 + tv + (1 if rq else 0)) + h * (rk + rq + 3))
             act["connection"] += stored
             pairwise += stored
+        elif lifted:
+            # SDPA on lifted inputs (functional._subspace_lift): head size d + m(m+1)/2 + 1 per subspace side
+            # (both sides: m more for the key side's cross term), the values zero-padded to it; the lift's
+            # products per token and head: C C^T (m^2 r), B^T k, B^T q and G k (d m each), P B^T k (m^2) per side
+            # ("mean": B^T q and B^T k twice, G_i q_i once)
+            both = cfg.metric_side == "mean"
+            T = m * (m + 1) // 2
+            hs = h * (d + T + 1 + (m + T if both else 0))
+            lift = 2 * n * h * ((2 if both else 1) * (m * m * r + m * m) + (5 if both else 3) * d * m)
+            a["matmul_fwd"] += 4 * n2 * hs + lift
+            a["matmul_bwd"] += 10 * n2 * hs + 2 * lift
+            a["elementwise_fwd"] += 5 * n2 * h + n * hs * 2
+            a["elementwise_bwd"] += 8 * n2 * h + n * hs * 4
+            # SDPA keeps the lifted queries and keys, the padded values, its output (head size hs / h) and the
+            # row log-sum-exp; the lift, per side, contiguous copies of q and k for the products with B, C and
+            # C^T, P = C C^T, B^T k, B^T q and the two factors of each lifted p p^T; a query-side metric keeps q
+            sides = 2 if both else 1
+            act["attention"] += (4 * n * hs + n * h + sides * n * h * (2 * d + 2 * m * r + m * m + 2 * m + 2 * T)
+                                 + (n * hd if cfg.metric_side in ("query", "mean") else 0))
         elif not metric_scores or not per_token:
             # SDPA (FlashAttention-2: the backward recomputes the scores); one metric for every pair runs there
             # too, on the dot-product form: M q per query, (k W)^2 per key for each shared factor W
@@ -384,7 +419,13 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
                 c["elementwise_fwd"] += 3 * n * hd * (4 + rk + rq)
                 c["elementwise_bwd"] += 6 * n * hd * (4 + rk + rq)
                 act["connection"] += n * hd  # the rotation tables
-        if per_token:
+        if per_token and m is not None:
+            linear("metric", D, h * m * r)  # the coefficients C_i; the basis is a parameter
+            if not lifted:  # a connection turns each token's subspace: U = B C multiplied out, per-token path
+                a["matmul_fwd"] += 2 * n * hd * m * r
+                a["matmul_bwd"] += 4 * n * hd * m * r
+                act["metric"] += n * hd * r * (2 if rk and rq else 1) + n * h * m * r  # and C, for dB
+        elif per_token:
             linear("metric", D, hd * r)  # one metric network serves both sides of self-attention
             act["metric"] += n * hd * r * (2 if rk and rq else 1)  # the operator's contiguous factors
         if cfg.mlp:

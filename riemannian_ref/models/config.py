@@ -70,6 +70,14 @@ class FiberBundleConfig:
     metric_bias : bool, default False
         Per-token metrics from an affine network :math:`U_i = W x_i + b`
         (a bias drawn at init with the variance of a shared factor).
+    metric_subspace : int or None, default None
+        Per-token metrics whose factors share one learned subspace of
+        dimension :math:`m` per head and layer, :math:`U_i = B\,C_i`
+        (:class:`~riemannian_ref.geometry.metric.SubspaceFactors`): with the
+        trivial connection attention is then one dot product of width
+        :math:`d + m(m+1)/2 + 1` and runs on SDPA. :math:`1 \le m \le d`;
+        needs a metric mode with per-token metrics (not ``shared_metric`` or
+        ``position_metric``) and ``metric_rank >= 1``.
     lam_init : float, default 1.0
         Initial :math:`\lambda` of every metric, above the floor
         :data:`~riemannian_ref.geometry.metric.LAM_MIN`.
@@ -147,6 +155,7 @@ class FiberBundleConfig:
     shared_metric: bool = False          # one learned metric per head instead of per-token metrics
     position_metric: bool = False        # one learned metric per position instead of per-token metrics
     metric_bias: bool = False            # per-token metrics from an affine network U_i = W x_i + b
+    metric_subspace: int | None = None   # per-token factors U_i = B C_i in one learned m-dim subspace per head
     lam_init: float = 1.0                # initial isotropic part lam of every metric
     learn_temperature: bool = False      # learned per-head factor on 1/tau
     connection: str | None = None        # None: "content" in fiber_bundle mode, else "trivial"
@@ -200,6 +209,13 @@ class FiberBundleConfig:
         if self.shared_metric and self.position_metric:
             raise ValueError("shared_metric and position_metric are exclusive: one metric per head, or one "
                              "per position")
+        if self.metric_subspace is not None:
+            _pos_int(self.metric_subspace, "metric_subspace", 1, self.qk_dim)
+            if self.mode == "euclidean" or self.shared_metric or self.position_metric or self.metric_rank == 0:
+                raise ValueError(f"metric_subspace needs per-token metrics of rank >= 1 (a metric mode, "
+                                 f"shared_metric=False, position_metric=False, metric_rank >= 1), got "
+                                 f"mode={self.mode!r}, shared_metric={self.shared_metric}, "
+                                 f"position_metric={self.position_metric}, metric_rank={self.metric_rank}")
         _number(self.eta_init, "eta_init", low=-_F32_MAX, high=_F32_MAX)  # a float32 parameter
         # the fields handed to AttentionConfig under other names are checked here, under their own
         _number(self.metric_strength, "metric_strength", low=0.0)
@@ -348,6 +364,7 @@ class FiberBundleConfig:
             scores="dot" if self.mode == "euclidean" else "metric",
             metric="shared" if self.shared_metric else "position" if self.position_metric else "token",
             metric_side=self.metric_side, metric_bias=self.metric_bias, max_positions=self.block_size,
+            subspace=self.metric_subspace,
             rank=self.metric_rank, strength=self.metric_strength, lam_init=self.lam_init,
             learn_temperature=self.learn_temperature, connection=self.connection_resolved,
             rotary_base=self.rotary_base, content_rate_std=self.content_rate_std,

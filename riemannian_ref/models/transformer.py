@@ -50,7 +50,7 @@ from .._checks import check_bool, check_int as _pos_int, check_number as _number
 from .._checks import check_values
 from ..attention._validate import autocast_dtype
 from ..attention.layer import RiemannianAttention
-from ..geometry.metric import LowRankMetric, MetricNet
+from ..geometry.metric import LowRankMetric, MetricNet, SubspaceFactors
 from .config import FiberBundleConfig
 
 __all__ = ["FiberBundleOutput", "FiberBundleTransformer"]
@@ -321,6 +321,8 @@ class FiberBundleTransformer(nn.Module):
             tri = sample_triangles(n, n_samples, generator=g, device=k.device)
             pairs = sample_pairs(n, n_samples, generator=g, device=k.device)
             U = U_k if U_k is not None else U_q
+            if isinstance(U, SubspaceFactors):  # per-token factors in a shared subspace: multiplied out
+                U = U.dense()
             if U.dim() == 4:  # shared [1, h, d, r]: the same metric for every token
                 U = U.unsqueeze(2).expand(B, h, n, *U.shape[-2:])
             hol.append(holonomy_defect(rates, tri, rule=rule).expand(B, h).mean(0))  # (h,)
