@@ -549,8 +549,18 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
             raise ValueError(f"rates for the flat connection must have shape [d/2] = [{d // 2}], "
                              f"got {shape_str(rates)}")
         ang = p.unsqueeze(-1) * rates  # angle of R_i                             (..., n, d/2)
-        return _common_frame_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
-                                       metric_side, scores, ang, transport_values, return_weights)
+        per_q = U_q is not None and U_q.dim() == query.dim() + 1
+        per_k = U_k is not None and U_k.dim() == key.dim() + 1
+        q1, k1 = rotate_pairs(query, -ang), rotate_pairs(key, -ang)  # R_i^T q_i, R_j^T k_j
+        v1 = rotate_pairs(value, -ang) if transport_values else value  # R_j^T v_j
+        U_q1 = _rotate_factor(_per_token(U_q, per_q, n), -ang) if U_q is not None else None
+        U_k1 = _rotate_factor(_per_token(U_k, per_k, n), -ang) if U_k is not None else None
+        res = _attend(q1, k1, v1, attn_mask, dropout_p, is_causal, scale, U_q1, U_k1, lam, metric_side,
+                      scores, return_weights)
+        out, A = res if return_weights else (res, None)
+        if transport_values:
+            out = rotate_pairs(out, ang)  # back to fibre i: R_i o_i
+        return (out, A) if return_weights else out
     return _content_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
                               metric_side, scores, rates, p, transport_values, return_weights,
                               edge_rule(connection))
@@ -627,7 +637,7 @@ class _TokenRotation(torch.autograd.Function):
 
 def _common_frame_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
                             metric_side, scores, ang, transport_values, return_weights):
-    r"""Attention along a connection :math:`P_{j\to i} = R(\phi_i) R(\phi_j)^\top` in one common frame.
+    r"""The cumulative connection, :math:`P_{j\to i} = R(\phi_i) R(\phi_j)^\top`, in one common frame.
 
     Every object is rotated by :math:`R(\phi)^\top` of its own token (queries,
     keys, the factors, so :math:`G_j \mapsto R_j^\top G_j R_j`, and the values
@@ -635,10 +645,12 @@ def _common_frame_attention(query, key, value, attn_mask, dropout_p, is_causal, 
     rotated back by :math:`R(\phi_i)`: :math:`O(n d r)` extra. ``ang`` holds
     :math:`\phi` [..., n, d/2]; where it is wider than the inputs (half
     precision), the rotations are computed in its dtype and rounded once to
-    the input dtype. One table of cosines and sines serves every rotation;
-    learned angles (the cumulative connection) go through
-    :class:`_TokenRotation`, so that the backward keeps that table and the
-    operator's own tensors, :math:`O(n d)` in all.
+    the input dtype. One table of cosines and sines serves every rotation
+    (and a factor shared by both sides is turned once); learned angles go
+    through :class:`_TokenRotation`, so that the backward keeps that table
+    and the operator's own tensors, :math:`O(n d)` in all. (The flat branch
+    of :func:`connection_attention` does the same with rotary angles, one
+    table per rotation.)
     """
     n = query.shape[-2]
     learned = ang.requires_grad and torch.is_grad_enabled()
