@@ -319,6 +319,30 @@ def test_left_padding_leaves_the_real_tokens_alone(gen, restart):
     torch.testing.assert_close(padded[..., n_pad:, :], alone, rtol=1e-12, atol=1e-12)
 
 
+def test_padding_between_real_tokens_is_skipped_by_repeating_the_position(gen):
+    """Pads inside a sequence lie on the path between real tokens; with zero increments (the previous
+    position repeated) their rates drop out, and the real tokens get the outputs of the unpadded call."""
+    q, k, v, _, U_k, lam, rates = _inputs(gen, B=1)
+    at = 4  # two pads before real token 4
+
+    def pad(t, fill):
+        return torch.cat([t[:, :, :at], fill, t[:, :, at:]], 2)
+    qp, kp, vp, Ukp = (pad(t, torch.randn(1, 3, 2, *t.shape[3:], generator=gen, dtype=DT)) for t in (q, k, v, U_k))
+    rp = pad(rates, 5.0 * torch.rand(1, 3, 2, 3, generator=gen, dtype=DT))
+    pos = torch.tensor([0.0, 1.0, 2.0, 3.0, 3.0, 3.0, 4.0, 5.0, 6.0], dtype=DT)  # the pads repeat position 3
+    keep = torch.ones(1, 1, 1, 9, dtype=torch.bool)
+    keep[..., at:at + 2] = False
+    real = torch.tensor([i for i in range(9) if not at <= i < at + 2])
+    for causal in (False, True):
+        kw = dict(lam=lam, connection="cumulative", is_causal=causal)
+        alone = rr.connection_attention(q, k, v, U_k=U_k, rates=rates, **kw)
+        padded = rr.connection_attention(qp, kp, vp, keep, U_k=Ukp, rates=rp, positions=pos, **kw)
+        torch.testing.assert_close(padded[..., real, :], alone, rtol=1e-12, atol=1e-12)
+    # with the default positions the pads' rates and steps enter the transports across them
+    moved = rr.connection_attention(qp, kp, vp, keep, U_k=Ukp, rates=rp, **kw)  # causal, as `alone`
+    assert (moved[..., real, :] - alone).abs().max() > 1e-3
+
+
 # --------------------------------------------------------------------------- half precision and autocast
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scores", ["metric", "dot"])

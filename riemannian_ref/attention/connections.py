@@ -110,7 +110,7 @@ def edge_rule(connection: str) -> str:
 
     For the trivial and flat connections every token has the same rates and
     the ``"mean"`` and ``"source"`` rules give the same transports (so does
-    ``"cumulative"``, up to round-off, with positions starting at 0).
+    ``"cumulative"``, whose phases are then :math:`\theta p_i`).
 
     Parameters
     ----------
