@@ -20,6 +20,7 @@ aten = torch.ops.aten
 
 CONFIGS = [dict(mode="euclidean"), dict(mode="riemannian"), dict(mode="riemannian", metric_side="mean"),
            dict(mode="riemannian", metric_side="query"), dict(mode="riemannian", connection="flat"),
+           dict(mode="riemannian", connection="cumulative"),
            dict(mode="riemannian", shared_metric=True), dict(mode="fiber_bundle"),
            dict(mode="fiber_bundle", metric_side="mean"), dict(mode="riemannian", metric_subspace=2),
            dict(mode="riemannian", metric_subspace=2, metric_side="mean"),

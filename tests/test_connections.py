@@ -9,6 +9,7 @@ from riemannian_ref.attention import connections as cx
 
 SIDES = ("key", "query", "mean")
 CONTENT = ("content", "content_source")
+PER_TOKEN = CONTENT + ("cumulative",)  # connections that read per-token rates
 DT = torch.float64
 
 
@@ -147,7 +148,7 @@ def test_dot_scores_flat_without_value_transport_is_rope(gen, causal):
 def test_causal_transport_leaks_no_future_token(gen, connection, side):
     q, k, v, U_q, U_k, lam, theta = _inputs(gen)
     Uq, Uk = _factors(side, U_q, U_k)
-    th = theta if connection in CONTENT else None
+    th = theta if connection in PER_TOKEN else None
     t = 4  # perturb keys, values, factors and rates of tokens t.. ; outputs < t must not move
     kw = dict(lam=lam, metric_side=side, connection=connection, rates=th, is_causal=True)
     out = rr.connection_attention(q, k, v, U_q=Uq, U_k=Uk, **kw)
@@ -158,7 +159,7 @@ def test_causal_transport_leaks_no_future_token(gen, connection, side):
     if Uk2 is not None:
         Uk2[..., t:, :, :] *= -4.0
     th2 = th
-    if connection in CONTENT:
+    if connection in PER_TOKEN:
         th2 = th.clone()
         th2[..., t:, :] += 1.0
     out2 = rr.connection_attention(q, k2, v2, U_q=Uq, U_k=Uk2, **{**kw, "rates": th2})

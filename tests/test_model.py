@@ -138,6 +138,8 @@ def test_diagnostics_values(gen):
     assert torch.equal(diags["trivial"]["transport_closure"], torch.zeros(2, 2, dtype=torch.float64))
     assert (diags["content"]["holonomy"] > 0).all() and (diags["content"]["transport_closure"] > 0).all()
     assert (diags["flat"]["transport_closure"] > 0).all()  # flat, yet far from the identity
+    # the cumulative connection is flat too (zero up to float64 round-off), and content-dependent
+    assert (diags["cumulative"]["holonomy"] < 1e-12).all() and (diags["cumulative"]["transport_closure"] > 0).all()
     # Relative to the heterogeneity |G_i - G_j|_F: exactly 1 without transport; heterogeneous
     # metrics are not preserved by any of these rotations (relative defect bounded away from 0).
     torch.testing.assert_close(diags["trivial"]["metric_compatibility"], torch.ones(2, 2, dtype=torch.float64))

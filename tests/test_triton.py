@@ -308,3 +308,25 @@ def test_compiled_fullgraph_keeps_the_kernels_as_one_op(gen):
     for c, e, r in zip(res["compiled"], res["eager"], res["reference"]):
         torch.testing.assert_close(c, e, rtol=0, atol=0)  # the same kernels
         torch.testing.assert_close(c, r, rtol=1e-4, atol=1e-4)
+
+
+def test_the_cumulative_connection_reaches_the_kernels(gen):
+    """connection="cumulative" turns q, k, v and the factors into one frame and calls the ordinary dispatch:
+    on the kernels, outputs and gradients (the rates' included) match the dense path of the same call."""
+    q, k, v, lam, _, U = make(gen, "key", B=2, nq=33, nk=33)
+    rates = 0.5 * torch.rand(2, 2, 33, 8, generator=gen)
+
+    def run(kernels):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, U, rates)]
+        kw = dict(U_q=leaves[3], U_k=leaves[3], lam=lam, metric_side="mean", connection="cumulative",
+                  rates=leaves[4], is_causal=True)
+        if kernels:
+            with functional._force_backend("triton"):
+                out = rr.connection_attention(*leaves[:3], **kw)
+        else:  # with the weights: the dense reference in the same frame
+            out = rr.connection_attention(*leaves[:3], **kw, return_weights=True)[0]
+        g = torch.linspace(-1.0, 1.0, out.numel()).view(out.shape)
+        return [out, *torch.autograd.grad(out, leaves, g)]
+
+    for name, a, b in zip(["out", "q", "k", "v", "U", "rates"], run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item(), msg=lambda m: f"{name}: {m}")

@@ -1,12 +1,13 @@
 r"""Diagnostics of a connection on the head bundle: holonomy, transport closure, metric compatibility.
 
-The connections themselves (rotations by angles :math:`(p_i - p_j)\,\omega_{ij}`
-on consecutive coordinate pairs) are in :mod:`riemannian_ref.attention.connections`;
+The connections themselves (rotations by angles :math:`(p_i - p_j)\,\omega_{ij}`,
+or by differences :math:`\phi_i - \phi_j` of cumulative phases, on consecutive
+coordinate pairs) are in :mod:`riemannian_ref.attention.connections`;
 here are the measurements a reader runs on them, each returning tensors:
 
 - :func:`holonomy_defect`: :math:`\|P_{k\to i} P_{j\to k} P_{i\to j} - I\|_F`
   over triangles of tokens, the discrete curvature (exactly 0 for the trivial
-  and flat connections);
+  and flat connections, 0 up to round-off for the cumulative one);
 - :func:`transport_closure_defect`: :math:`\|(I - P_{j\to i})(x_k - x_j)\|`,
   how far transport is from the identity on the edge vectors of a triangle
   (not a torsion: it is non-zero for the flat rotary connection);
@@ -20,7 +21,9 @@ here are the measurements a reader runs on them, each returning tensors:
 Each takes the per-token rates and the edge ``rule`` of the connection
 (:func:`~riemannian_ref.attention.connections.edge_rule`): ``"mean"`` for the
 inverse-consistent content connection (and for trivial and flat, where the
-rules agree), ``"source"`` for ``"content_source"``.
+rules agree), ``"source"`` for ``"content_source"``, ``"cumulative"`` for
+``"cumulative"`` (the edge's angle is then :math:`\phi_i - \phi_j` of the
+per-token phases of :func:`~riemannian_ref.attention.connections.cumulative_phases`).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .._checks import as_positive, broadcast_batch, check_tensor, shape_str
-from ..attention.connections import _check_rule, _positions, _rotate_factor, rotate_pairs
+from ..attention.connections import _check_rule, _phases, _positions, _rotate_factor, rotate_pairs
 
 __all__ = [
     "sample_triangles",
@@ -107,7 +110,10 @@ def _check_index(idx: Tensor, name: str, k: int, n: int) -> Tensor:
 
 
 def _edge_angle(rates: Tensor, p: Tensor, i: Tensor, j: Tensor, rule: str) -> Tensor:
-    """Angles of P_{j->i} for index vectors i, j [T]: (p_i - p_j) omega_ij, shape [..., T, d/2]."""
+    """Angles of P_{j->i} for index vectors i, j [T]: (p_i - p_j) omega_ij, or phi_i - phi_j, shape [..., T, d/2]."""
+    if rule == "cumulative":
+        phi = _phases(rates, p)  # per-token phases                                     (..., n, d/2)
+        return phi[..., i, :] - phi[..., j, :]
     w = rates[..., j, :] if rule == "source" else 0.5 * (rates[..., i, :] + rates[..., j, :])
     return (p[..., i, None] - p[..., j, None]) * w
 
@@ -132,8 +138,17 @@ def holonomy_defect(rates: Tensor, triangles: Tensor, positions: Tensor | None =
     .. math::
         \phi_m = (p_j - p_i)(\omega_{i,m} - \omega_{k,m}) + (p_k - p_j)(\omega_{j,m} - \omega_{k,m}).
 
-    In both, :math:`\|R(\phi) - I\|_F^2 = \sum_m 8\sin^2(\phi_m/2)`, and the
-    differences make equal rates (trivial, flat) give exactly zero.
+    With ``rule="cumulative"`` the three edges turn by
+    :math:`\phi_j - \phi_i`, :math:`\phi_k - \phi_j` and
+    :math:`\phi_i - \phi_k` of the per-token phases
+    (:func:`~riemannian_ref.attention.connections.cumulative_phases`), whose
+    sum is zero: the holonomy is the round-off of those three differences,
+    about the float epsilon times the largest phase, for every loop (a flat
+    connection).
+
+    In all, :math:`\|R(\phi) - I\|_F^2 = \sum_m 8\sin^2(\phi_m/2)`, and the
+    differences make equal rates (trivial, flat) give exactly zero with the
+    ``"mean"`` and ``"source"`` rules.
 
     Parameters
     ----------
@@ -145,7 +160,7 @@ def holonomy_defect(rates: Tensor, triangles: Tensor, positions: Tensor | None =
     positions : Tensor, shape [n] or [..., n], optional
     reduce : bool
         Average over triangles (shape [...]) or return all (shape [..., T]).
-    rule : {"mean", "source"}
+    rule : {"mean", "source", "cumulative"}
         How an edge reads its rate (:func:`~riemannian_ref.attention.connections.edge_rule`).
     """
     rates, p = _check_rates(rates, positions)
@@ -153,6 +168,12 @@ def holonomy_defect(rates: Tensor, triangles: Tensor, positions: Tensor | None =
     triangles = _check_index(triangles, "triangles", 3, rates.shape[-2])
     i, j, k = triangles[:, 0], triangles[:, 1], triangles[:, 2]
     p = p.expand(*rates.shape[:-1])
+    if rule == "cumulative":  # the loop's angle is the sum of its three edges' angles, each as transport computes it
+        ph = _phases(rates, p)  # per-token phases                                      (..., n, d/2)
+        a, b, c = ph[..., i, :], ph[..., j, :], ph[..., k, :]  # (..., T, d/2)
+        phi = (b - a) + (c - b) + (a - c)  # edges i -> j, j -> k, k -> i: zero up to round-off
+        defect = torch.sqrt(8.0 * torch.sin(0.5 * phi).pow(2).sum(-1))  # (..., T)
+        return defect.mean(-1) if reduce else defect
     wi, wj, wk = rates[..., i, :], rates[..., j, :], rates[..., k, :]  # (..., T, d/2)
     pi, pj, pk = p[..., i, None], p[..., j, None], p[..., k, None]  # (..., T, 1)
     if rule == "source":
@@ -188,7 +209,7 @@ def transport_closure_defect(x: Tensor, rates: Tensor, triangles: Tensor, positi
     positions : Tensor, shape [n] or [..., n], optional
     reduce : bool
         Average over triangles (shape [...]) or not (shape [..., T]).
-    rule : {"mean", "source"}
+    rule : {"mean", "source", "cumulative"}
         How an edge reads its rate.
     """
     x = check_tensor(x, "x", min_dim=2)
@@ -245,7 +266,7 @@ def metric_compatibility_defect(lam, U: Tensor, rates: Tensor, pairs: Tensor,
     positions : Tensor, shape [n] or [..., n], optional
     reduce : bool
         Average over pairs (shape [...]) or not (shape [..., T]).
-    rule : {"mean", "source"}
+    rule : {"mean", "source", "cumulative"}
         How an edge reads its rate.
     relative : bool
         Divide by the heterogeneity :math:`\|G_i - G_j\|_F`: per pair when

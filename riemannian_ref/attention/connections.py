@@ -29,6 +29,20 @@ edge, read from per-token rates :math:`\omega_j \in \mathbb{R}^{d/2}`:
   holonomy mixes curvature with that failure (kept to reproduce the first
   reading of the book).
 
+One connection reads the same per-token rates another way: ``"cumulative"``
+integrates them along the sequence into one phase per token,
+
+.. math::
+    \phi_i = \sum_{t \le i} \omega_t\,(p_t - p_{t-1}) \quad (p_{-1} = 0), \qquad
+    P_{j\to i} = R(\phi_i)\,R(\phi_j)^\top ,
+
+(:func:`cumulative_phases`): block :math:`m` of :math:`P_{j\to i}` turns by
+:math:`\phi_{i,m} - \phi_{j,m}`, the integral of the rates over the tokens
+after :math:`j` up to :math:`i`. A product of per-token frames, it is flat
+(the holonomy of every loop is zero) and inverse-consistent, like the rotary
+connection, which it is for constant rates :math:`\omega_t = \theta`
+(:math:`\phi_i = \theta p_i`).
+
 Every transport lies in the maximal torus :math:`SO(2)^{d/2}` of block
 rotations, an abelian group: transports commute, a loop's holonomy is a sum
 of phases per block, and the holonomy group of every connection here is a
@@ -44,12 +58,12 @@ metrics no rotation maps :math:`G_j` to :math:`G_i`. The metric-compatible
 transports are :math:`P = G_i^{-1/2} O\, G_j^{1/2}` with :math:`O` orthogonal
 (:func:`compatible_transport`, a dense reference).
 
-For the flat connection every fibre object can be moved to one common frame
-(rotate each by :math:`R^\top` of its own position), which is why rotary
-attention costs :math:`O(n d)` extra; for the content connections the angle
-couples the pair, and the transport costs :math:`O(n^2 d)` elementwise, the
-same order as the scores (on CPU a fused kernel computes it with
-:math:`O(n d)` memory).
+For the flat and cumulative connections every fibre object can be moved to
+one common frame (rotate each by :math:`R^\top` of its own token), which is
+why rotary attention costs :math:`O(n d)` extra; for the content connections
+the angle couples the pair, and the transport costs :math:`O(n^2 d)`
+elementwise, the same order as the scores (on CPU a fused kernel computes it
+with :math:`O(n d)` memory).
 
 The diagnostics of a connection (holonomy, transport closure, metric
 compatibility) live beside the other measurements, in
@@ -57,6 +71,7 @@ compatibility) live beside the other measurements, in
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -73,6 +88,7 @@ __all__ = [
     "rotate_pairs",
     "block_rotation_matrix",
     "transport_angles",
+    "cumulative_phases",
     "connection_rates",
     "edge_rule",
     "compatible_transport",
@@ -80,18 +96,22 @@ __all__ = [
 ]
 
 #: The accepted values of ``connection``: no transport, rotary (flat), content-dependent rates
-#: read from both endpoints of an edge (inverse-consistent), or from its source only.
-CONNECTIONS = ("trivial", "flat", "content", "content_source")
+#: read from both endpoints of an edge (inverse-consistent), or from its source only, or
+#: integrated along the sequence into per-token phases (flat, content-dependent).
+CONNECTIONS = ("trivial", "flat", "content", "content_source", "cumulative")
 
-#: How an edge reads its rate from the per-token rates: ``"mean"`` of both endpoints, or the ``"source"``'s.
-EDGE_RULES = ("mean", "source")
+#: How an edge reads its angle from the per-token rates: ``"mean"`` of both endpoints' rates, the
+#: ``"source"``'s, or the difference of the endpoints' ``"cumulative"`` phases.
+EDGE_RULES = ("mean", "source", "cumulative")
 
 
 def edge_rule(connection: str) -> str:
-    """The edge rule of a connection: ``"source"`` for ``"content_source"``, ``"mean"`` otherwise.
+    """The edge rule of a connection: ``"source"`` for ``"content_source"``, ``"cumulative"`` for
+    ``"cumulative"``, ``"mean"`` otherwise.
 
     For the trivial and flat connections every token has the same rates and
-    the two rules give the same transports.
+    the ``"mean"`` and ``"source"`` rules give the same transports (so does
+    ``"cumulative"``, whose phases are then :math:`\theta p_i`).
 
     Parameters
     ----------
@@ -100,7 +120,7 @@ def edge_rule(connection: str) -> str:
     """
     if connection not in CONNECTIONS:
         raise ValueError(f"connection must be one of {CONNECTIONS}, got {connection!r}")
-    return "source" if connection == "content_source" else "mean"
+    return {"content_source": "source", "cumulative": "cumulative"}.get(connection, "mean")
 
 
 def _check_rule(rule: str) -> str:
@@ -203,21 +223,74 @@ def transport_angles(rates: Tensor, positions: Tensor, rule: str = "mean") -> Te
     rates : Tensor, shape [..., n, d/2]
         Per-token rates :math:`\omega_j`.
     positions : Tensor, shape [n] or [..., n]
-    rule : {"mean", "source"}
+    rule : {"mean", "source", "cumulative"}
         The edge's rate: :math:`\omega_{ij} = (\omega_i + \omega_j)/2`
         (inverse-consistent: :math:`\phi_{ji} = -\phi_{ij}`), or the source's
-        :math:`\omega_j`.
+        :math:`\omega_j`; or, for ``"cumulative"``, no edge rate at all: the
+        angle is :math:`\phi_i - \phi_j` of the per-token phases of
+        :func:`cumulative_phases`.
 
     Returns
     -------
     Tensor, shape [..., n, n, d/2]
         Index ``[..., i, j, m]``; memory :math:`O(n^2 d)` per batch entry.
     """
+    if _check_rule(rule) == "cumulative":
+        phi = _phases(rates, positions)  # (..., n, d/2)
+        return phi.unsqueeze(-2) - phi.unsqueeze(-3)  # phi_i - phi_j             (..., n_i, n_j, d/2)
     dp = positions.unsqueeze(-1) - positions.unsqueeze(-2)  # p_i - p_j              (..., n, n)
-    if _check_rule(rule) == "source":
+    if rule == "source":
         return dp.unsqueeze(-1) * rates.unsqueeze(-3)  # (..., n_i, n_j, d/2)
     edge = 0.5 * (rates.unsqueeze(-2) + rates.unsqueeze(-3))  # (omega_i + omega_j) / 2  (..., n_i, n_j, d/2)
     return dp.unsqueeze(-1) * edge
+
+
+def cumulative_phases(rates: Tensor, positions: Tensor | None = None) -> Tensor:
+    r"""Per-token phases of the cumulative connection, :math:`\phi_i = \sum_{t \le i} \omega_t (p_t - p_{t-1})`.
+
+    With :math:`p_{-1} = 0`, so that constant rates :math:`\omega_t = \theta`
+    give the rotary angles :math:`\theta p_i` (bit for bit: see below). The
+    transport of the cumulative connection is
+    :math:`P_{j\to i} = R(\phi_i) R(\phi_j)^\top`, block :math:`m` turned by
+    :math:`\phi_{i,m} - \phi_{j,m} = \sum_{j < t \le i} \omega_{t,m}(p_t - p_{t-1})`
+    for :math:`j < i`: only the tokens after :math:`j` up to :math:`i` enter.
+    Hence :math:`\phi_i` reads the tokens :math:`t \le i` only (a causal
+    model stays causal), and padding before the first real token (left
+    padding) leaves the transports between real tokens unchanged whatever the
+    pads' rates and positions, up to round-off.
+
+    Computed as :math:`\phi_i = \omega_0 p_i + \sum_{t \le i} (\omega_t - \omega_0)(p_t - p_{t-1})`
+    (the same sum, since the increments add up to :math:`p_i`): the first
+    token's rate times the position, plus a running sum that is exactly 0 for
+    constant rates, so that those give :math:`\theta p_i` as the flat
+    connection computes it. Time and memory :math:`O(n d)`; differentiable
+    in ``rates``.
+
+    Parameters
+    ----------
+    rates : Tensor, shape [..., n, d/2]
+        Per-token rates :math:`\omega_t`.
+    positions : Tensor, shape [n] or [..., n], optional
+        Token positions :math:`p_t` (default ``0..n-1``), broadcasting
+        against ``rates.shape[:-1]``.
+
+    Returns
+    -------
+    Tensor, shape [..., n, d/2]
+        :math:`\phi_{i,m}` at index ``[..., i, m]`` (the broadcast batch of
+        ``rates`` and ``positions``), in the dtype of ``rates``.
+    """
+    rates = check_tensor(rates, "rates", min_dim=2)
+    p = _positions(positions, rates.shape[-2], rates)
+    broadcast_batch({"rates.shape[:-2]": rates.shape[:-2], "positions.shape[:-1]": p.shape[:-1]})
+    return _phases(rates, p)
+
+
+def _phases(rates: Tensor, p: Tensor) -> Tensor:
+    """:func:`cumulative_phases` on validated inputs (``p`` in the dtype of ``rates``)."""
+    dp = torch.diff(p, dim=-1, prepend=torch.zeros_like(p[..., :1]))  # p_t - p_{t-1}, p_{-1} = 0   (..., n)
+    ref = rates[..., :1, :]  # the first token's rate                         (..., 1, d/2)
+    return p.unsqueeze(-1) * ref + torch.cumsum((rates - ref) * dp.unsqueeze(-1), dim=-2)  # (..., n, d/2)
 
 
 def connection_rates(connection: str, n: int, d: int, *, rates: Tensor | None = None,
@@ -226,13 +299,14 @@ def connection_rates(connection: str, n: int, d: int, *, rates: Tensor | None = 
 
     ``"trivial"`` gives zeros; ``"flat"`` the rotary frequencies (``rates``,
     shape [d/2], default base 10000) repeated for every token; the content
-    connections return ``rates`` itself, which must then be given per token,
-    shape [..., n, d/2]. Used by the diagnostics, which need rates for every
-    connection (with :func:`edge_rule` for how an edge reads them).
+    connections (``"content"``, ``"content_source"``, ``"cumulative"``) return
+    ``rates`` itself, which must then be given per token, shape [..., n, d/2].
+    Used by the diagnostics, which need rates for every connection (with
+    :func:`edge_rule` for how an edge reads them).
 
     Parameters
     ----------
-    connection : {"trivial", "flat", "content", "content_source"}
+    connection : {"trivial", "flat", "content", "content_source", "cumulative"}
         Which connection (one of ``CONNECTIONS``).
     n : int
         Number of tokens.
@@ -242,7 +316,7 @@ def connection_rates(connection: str, n: int, d: int, *, rates: Tensor | None = 
         ``"flat"``: rotary rates, shape [d/2] (default
         :func:`rotary_frequencies` with base 10000). ``"content"``: the
         per-token rates, shape [..., n, d/2] (required; also for
-        ``"content_source"``). Ignored by ``"trivial"``.
+        ``"content_source"`` and ``"cumulative"``). Ignored by ``"trivial"``.
     like : Tensor
         Supplies the dtype and device of the zeros (``"trivial"``) and of the
         default rotary rates (``"flat"``).
@@ -269,8 +343,8 @@ def connection_rates(connection: str, n: int, d: int, *, rates: Tensor | None = 
     if rates is None:
         raise ValueError(f"connection={connection!r} needs rates: the per-token rates, shape [..., n, d/2]")
     if rates.dim() < 2 or rates.shape[-2:] != (n, d // 2):
-        raise ValueError(f"rates for the content connection must have shape [..., n, d/2] = [..., {n}, {d // 2}], "
-                         f"got {shape_str(rates)}")
+        raise ValueError(f"rates for the {connection} connection must have shape [..., n, d/2] = "
+                         f"[..., {n}, {d // 2}], got {shape_str(rates)}")
     return rates
 
 
@@ -364,17 +438,29 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         (``U_q``, ``U_k`` must be None with ``scores="dot"``).
     scores : {"metric", "dot"}
         Riemannian distance scores, or scaled dot products.
-    connection : {"trivial", "flat", "content", "content_source"}
+    connection : {"trivial", "flat", "content", "content_source", "cumulative"}
         :math:`P = I`; rotary rotations :math:`R_i R_j^\top`; rotations by
         :math:`(p_i - p_j)(\omega_i + \omega_j)/2` (inverse-consistent), or
-        by :math:`(p_i - p_j)\,\omega_j` (source rates only).
+        by :math:`(p_i - p_j)\,\omega_j` (source rates only); or by
+        :math:`\phi_i - \phi_j` of the cumulative phases
+        :math:`\phi_i = \sum_{t \le i} \omega_t (p_t - p_{t-1})`
+        (:func:`cumulative_phases`: flat, content-dependent).
     rates : Tensor, optional
         ``"flat"``: the rotary rates, shape [d/2] (default
-        :func:`rotary_frequencies`). Content connections: the per-token rates
-        :math:`\omega_j`, shape [..., n, d/2], broadcasting against the batch
-        (required). ``"trivial"``: must be None.
+        :func:`rotary_frequencies`). Content connections (also
+        ``"cumulative"``): the per-token rates :math:`\omega_j`, shape
+        [..., n, d/2], broadcasting against the batch (required).
+        ``"trivial"``: must be None.
     positions : Tensor, shape [n] or [..., n], optional
-        Token positions :math:`p_i` (default ``0..n-1``).
+        Token positions :math:`p_i` (default ``0..n-1``). For
+        ``"cumulative"`` they enter only through the increments
+        :math:`p_t - p_{t-1}` of the tokens between the two ends of an edge:
+        with left padding the default positions (the pads counted) and
+        positions that start at 0 at the first real token give the same
+        transports between real tokens, and the pads' rates do not enter
+        them (up to round-off). Padding between real tokens does enter (its
+        rates and increments lie on the path); give it zero increments
+        (repeat the previous position) to skip it.
     transport_values : bool
         Mix :math:`P_{j\to i} v_j` (the values are transported too) or plain
         :math:`v_j`. Rotary position embedding (RoPE) is exactly
@@ -403,7 +489,11 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     one frame: :math:`q_i \mapsto R_i^\top q_i`, :math:`k_j \mapsto R_j^\top k_j`,
     :math:`U \mapsto R^\top U` (so :math:`G_j \mapsto R_j^\top G_j R_j`),
     :math:`v_j \mapsto R_j^\top v_j`, calls the same operator, and rotates the
-    output back by :math:`R_i`: :math:`O(n d r)` extra. The content connections
+    output back by :math:`R_i`: :math:`O(n d r)` extra. ``"cumulative"`` does
+    the same with :math:`R_i = R(\phi_i)` (phases and rotations in float32 at
+    least, rounded once to the input dtype), so it reaches the same operator
+    (SDPA, the blockwise operator, the Triton kernels) with :math:`O(n d r)`
+    extra time and memory. The content connections
     couple every pair through its angles, so their time is :math:`O(n^2 d (1 + r))`
     elementwise work (the angles, their cosines and sines, the turned queries and
     their products with :math:`[k_j \mid U_{k,j}]`). On CPU they run on a fused
@@ -458,6 +548,10 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     if transport_values and value.shape[-1] != d:
         raise ValueError(f"values are transported between fibres, so value must have the head dimension "
                          f"d = {d}, got {shape_str(value)} (or pass transport_values=False)")
+    if connection == "cumulative":
+        ang = _cumulative_angles(rates, positions, query)  # phi_i, float32 at least   (..., n, d/2)
+        return _common_frame_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
+                                       metric_side, scores, ang, transport_values, return_weights)
     p = _positions(positions, n, query)
     if connection == "flat":
         if rates is None:
@@ -481,6 +575,125 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     return _content_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
                               metric_side, scores, rates, p, transport_values, return_weights,
                               edge_rule(connection))
+
+
+def _cumulative_angles(rates: Tensor | None, positions: Tensor | None, query: Tensor) -> Tensor:
+    """The phases of the cumulative connection for :func:`connection_attention`, validated, in float32 at least.
+
+    Half-precision rates and positions would give phases with a few
+    significant digits (float16 spaces 2048 and 2049 by 2), so the phases, and
+    the rotations built from them, are computed in float32 for half inputs.
+    """
+    n, d = query.shape[-2], query.shape[-1]
+    if rates is None:
+        raise ValueError("connection='cumulative' needs rates: the per-token rates omega_t, shape [..., n, d/2]")
+    if rates.dim() < 2 or rates.shape[-2:] != (n, d // 2):
+        raise ValueError(f"rates for the cumulative connection must have shape [..., n, d/2] = "
+                         f"[..., {n}, {d // 2}], got {shape_str(rates)}")
+    broadcast_batch({"rates.shape[:-2]": rates.shape[:-2], "query.shape[:-2]": query.shape[:-2]})
+    wide = torch.promote_types(query.dtype, torch.float32)
+    rates = rates.to(wide)
+    p = _positions(positions, n, rates)
+    broadcast_batch({"rates.shape[:-2]": rates.shape[:-2], "positions.shape[:-1]": p.shape[:-1]})
+    return _phases(rates, p)
+
+
+def _turn(x: Tensor, c: Tensor, s: Tensor, axis: int) -> Tensor:
+    """Turn the pairs of ``x`` along ``axis`` (-1: vectors [..., d]; -2: factors [..., d, r]) by the angle
+    whose cosines and sines are ``c``, ``s`` (shaped to broadcast against one member of each pair); the
+    result is contiguous in ``x``'s layout, in the promoted dtype."""
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if axis == -1 else (x[..., 0::2, :], x[..., 1::2, :])
+    return torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=axis).flatten(axis - 1, axis)
+
+
+class _TokenRotation(torch.autograd.Function):
+    r"""Per-token rotations :math:`y_t = R(a_t)\, x_t` whose angles :math:`a` are learned.
+
+    ``c``, ``s`` are :math:`\cos a`, :math:`\sin a` (computed once by the caller for every object it
+    turns, no gradient through them); the gradient reaches ``a`` from
+    :math:`\partial y / \partial a = J y`. The backward keeps the tables and one of the two vectors,
+    ``keep="output"`` (:math:`y`, which the attention operator keeps anyway: the same storage) or
+    ``"input"`` (:math:`x`, e.g. an operator's output), instead of autograd's copies of both operands of
+    every product. ``sign=-1`` turns by the opposite angle with the same tables (:math:`\sin a = -s`).
+    The result is rounded to ``x``'s dtype (half precision: turned in the tables' dtype).
+    """
+
+    @staticmethod
+    def forward(ctx, x, a, c, s, axis, keep, sign):
+        y = _turn(x, c, s if sign > 0 else -s, axis).to(x.dtype)
+        ctx.axis, ctx.keep, ctx.sign, ctx.x_shape, ctx.x_dtype = axis, keep, sign, x.shape, x.dtype
+        ctx.save_for_backward(c, s, (y if keep == "output" else x) if ctx.needs_input_grad[1] else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        c, s, t = ctx.saved_tensors
+        g = g.to(c.dtype)
+        gx = _turn(g, c, -s if ctx.sign > 0 else s, ctx.axis)  # R(a)^T g
+        g_x = gx.to(ctx.x_dtype).sum_to_size(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        g_a = None
+        if ctx.needs_input_grad[1]:
+            axis = ctx.axis
+            pairs = (lambda u: (u[..., 0::2], u[..., 1::2])) if axis == -1 else \
+                (lambda u: (u[..., 0::2, :], u[..., 1::2, :]))  # noqa: E731
+            if ctx.keep == "output":  # <g, J y>
+                (g1, g2), (y1, y2) = pairs(g), pairs(t.to(c.dtype))
+                g_a = g2 * y1 - g1 * y2
+            else:  # <R^T g, J x>
+                (h1, h2), (x1, x2) = pairs(gx), pairs(t.to(c.dtype))
+                g_a = h2 * x1 - h1 * x2
+            g_a = g_a.sum_to_size(c.shape)
+        return g_x, g_a, None, None, None, None, None
+
+
+def _common_frame_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
+                            metric_side, scores, ang, transport_values, return_weights):
+    r"""The cumulative connection, :math:`P_{j\to i} = R(\phi_i) R(\phi_j)^\top`, in one common frame.
+
+    Every object is rotated by :math:`R(\phi)^\top` of its own token (queries,
+    keys, the factors, so :math:`G_j \mapsto R_j^\top G_j R_j`, and the values
+    when they are transported), the ordinary operator runs, and the output is
+    rotated back by :math:`R(\phi_i)`: :math:`O(n d r)` extra. ``ang`` holds
+    :math:`\phi` [..., n, d/2]; where it is wider than the inputs (half
+    precision), the rotations are computed in its dtype and rounded once to
+    the input dtype. One table of cosines and sines serves every rotation
+    (and a factor shared by both sides is turned once); learned angles go
+    through :class:`_TokenRotation`, so that the backward keeps that table
+    and the operator's own tensors, :math:`O(n d)` in all. (The flat branch
+    of :func:`connection_attention` does the same with rotary angles, one
+    table per rotation.)
+    """
+    n = query.shape[-2]
+    learned = ang.requires_grad and torch.is_grad_enabled()
+    with torch.no_grad() if learned else contextlib.nullcontext():  # learned: the gradient comes from J y
+        c, s = torch.cos(-ang), torch.sin(-ang)  # R(phi)^T, shared by every object   (..., n, d/2)
+    a = -ang
+
+    def turn(x, axis=-1, keep="output"):  # R_t^T x_t (factors: every column), returned in x's dtype
+        cc, ss = (c, s) if axis == -1 else (c.unsqueeze(-1), s.unsqueeze(-1))
+        if learned:
+            return _TokenRotation.apply(x, a if axis == -1 else a.unsqueeze(-1), cc, ss, axis, keep, 1)
+        return _turn(x, cc, ss, axis).to(x.dtype)
+
+    per_q = U_q is not None and U_q.dim() == query.dim() + 1
+    per_k = U_k is not None and U_k.dim() == key.dim() + 1
+    q1, k1 = turn(query), turn(key)  # R_i^T q_i, R_j^T k_j
+    v1 = turn(value) if transport_values else value  # R_j^T v_j
+    U_k1 = turn(_per_token(U_k, per_k, n), -2) if U_k is not None else None
+    if U_q is not None:  # self-attention passes one factor for both sides: turned once
+        U_q1 = U_k1 if U_q is U_k else turn(_per_token(U_q, per_q, n), -2)
+    else:
+        U_q1 = None
+    res = _attend(q1, k1, v1, attn_mask, dropout_p, is_causal, scale, U_q1, U_k1, lam, metric_side,
+                  scores, return_weights)
+    out, A = res if return_weights else (res, None)
+    if transport_values:  # back to fibre i: R_i o_i, with the same tables (cos is even and sin odd)
+        if learned:
+            out = _TokenRotation.apply(out, ang, c, s, -1, "input", -1)
+        else:
+            o1, o2 = out[..., 0::2], out[..., 1::2]
+            out = torch.stack((o1 * c + o2 * s, o2 * c - o1 * s), dim=-1).flatten(-2).to(out.dtype)
+    return (out, A) if return_weights else out
 
 
 def _autocast_attention(ac, query, key, value, attn_mask, dropout_p, is_causal, scale, **kw):

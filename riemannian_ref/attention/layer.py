@@ -37,7 +37,7 @@ from ._validate import autocast_dtype
 from .connections import CONNECTIONS, connection_attention, rotary_frequencies
 from .functional import riemannian_attention
 
-CONTENT_CONNECTIONS = ("content", "content_source")  # connections with learned per-token rates
+CONTENT_CONNECTIONS = ("content", "content_source", "cumulative")  # connections with learned per-token rates
 
 __all__ = ["AttentionConfig", "RiemannianAttention"]
 
@@ -101,15 +101,17 @@ class AttentionConfig:
         Initial :math:`\lambda` and its floor.
     learn_temperature : bool, default False
         A learned per-head factor on :math:`1/\tau` (1 at init), folded into the metric.
-    connection : {"trivial", "flat", "content", "content_source"}, default "trivial"
+    connection : {"trivial", "flat", "content", "content_source", "cumulative"}, default "trivial"
         Transport of keys and values (self-attention only): none, rotary
         (flat), rates read from the content of both endpoints of an edge
-        (inverse-consistent, curved), or of its source only
+        (inverse-consistent, curved), or of its source only, or the rates
+        integrated along the sequence into per-token phases (flat,
+        content-dependent, :math:`O(n d)` extra)
         (:mod:`~riemannian_ref.attention.connections`).
     rotary_base : float, default 10000.0
         Base of the rotary rates :math:`\theta_m = \text{base}^{-2m/d}`.
     content_rate_std : float, default 0.5
-        Content connections: per-token rates :math:`\omega_j = 2\theta\,\mathrm{sigmoid}(W x_j)`
+        Content connections (also ``"cumulative"``): per-token rates :math:`\omega_j = 2\theta\,\mathrm{sigmoid}(W x_j)`
         with :math:`W` of init std ``content_rate_std / sqrt(D)`` (0: starts flat).
     transport_values : bool, default True
         Transport the values along the connection too. Rotary position
@@ -151,7 +153,7 @@ class AttentionConfig:
     lam_init: float = 1.0            # initial lambda
     lam_min: float = LAM_MIN         # floor of lambda
     learn_temperature: bool = False  # learned per-head factor on 1/tau
-    connection: str = "trivial"      # "trivial" | "flat" | "content" | "content_source"
+    connection: str = "trivial"      # "trivial" | "flat" | "content" | "content_source" | "cumulative"
     rotary_base: float = 10000.0     # rotary rates theta_m = base^(-2m/d)
     content_rate_std: float = 0.5    # init std of the content modulation of the rates (0: starts flat)
     transport_values: bool = True    # values transported along the connection too
@@ -347,8 +349,8 @@ class RiemannianAttention(nn.Module):
             each None when ``metric_side`` does not use it. The learned
             temperature is folded in.
         rates : Tensor or None
-            ``"flat"``: [d/2]; content connections: the per-token rates
-            [B, h, n, d/2] (how an edge combines them:
+            ``"flat"``: [d/2]; content connections (also ``"cumulative"``):
+            the per-token rates [B, h, n, d/2] (how an edge combines them:
             :func:`~riemannian_ref.attention.connections.edge_rule`); else None.
         """
         cfg = self.config

@@ -198,8 +198,10 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
         net = 0 if cfg.shared_metric else 2 * n * D * (h * m if m is not None else hd) * r  # the metric network
         pair = 0 if cfg.shared_metric else sides * 2 * n * n * hd * r  # U^T (q - k) for every pair
         out["metric"] = L * (net + pair)
-    if conn == "flat":
+    if conn in ("flat", "cumulative"):
         out["connection"] = L * 3 * n * hd * (4 + r * sides)  # rotate q, k, v, output and U: O(n d r)
+    if conn == "cumulative":  # the rate network; the rates, their increments, running sum and phases
+        out["connection"] += L * (2 * n * D * hd // 2 + 4 * n * hd)
     if conn in ("content", "content_source"):
         # P^T q_i always, P v_j with transported values, P k_j for a query-side metric
         rotations = 1 + (1 if cfg.transport_values else 0) + (1 if cfg.metric_side in ("query", "mean") else 0)
@@ -326,6 +328,12 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
         linear("attention", hd, D)  # output
         act["attention"] += 5 * n * hd + n * h  # q, k, v, the output, its reshaped copy; row statistics
         act["norms"] += 4 * n * D if cfg.layer_norm else 0  # each LayerNorm keeps its input and output
+        if conn == "cumulative":  # per-token rates integrated into phases: O(n d), then the common frame
+            linear("connection", D, hd // 2)  # the rate network
+            c = parts["connection"]
+            c["elementwise_fwd"] += 4 * n * hd  # sigmoid, the rates, increments, running sum, phases
+            c["elementwise_bwd"] += 4 * n * hd
+            act["connection"] += 0.5 * n * hd  # the sigmoid of the rate network (the phases' tables: below)
         if conn in ("content", "content_source") and fused_content:
             # the fused CPU kernel (attention/_content_kernel.c): per query row, the angles, their cosines and
             # sines, the rotated query and its products with [k_j | U_kj] (and, for a query-side metric,
@@ -402,11 +410,11 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
                 # SDPA keeps [M q, 1], [k, -kMk/2], the zero-padded v and its output (head size d + 1), besides
                 # M q and the products with the factors
                 act["attention"] += 4 * n * h * (d + 1) + n * hd + 2 * n * h * rs
-            if conn == "flat":  # rotate q, k, v, the factors and the output: O(n d r)
+            if conn in ("flat", "cumulative"):  # rotate q, k, v, the factors and the output: O(n d r)
                 c = parts["connection"]
                 c["elementwise_fwd"] += 3 * n * hd * 4
                 c["elementwise_bwd"] += 6 * n * hd * 4
-                act["connection"] += n * hd  # the rotation tables
+                act["connection"] += n * hd  # the rotation tables (cos and sin)
         else:  # the blockwise operator: stacked products of inner size d + 2, P [V | 1], recomputing backward
             score = 2 * n2 * h * ((d + 2) * (1 + rk) + (rq * (d + 1) if rq else 0))
             a["matmul_fwd"] += score + 2 * n2 * h * (d + 1)
@@ -414,11 +422,11 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
                                 + 4 * n2 * h * ((d + 2) * (1 + rk) + (rq * (d + 1) if rq else 0)))
             a["elementwise_fwd"] += n2 * h * (3 + 2 * (rk + rq))
             a["elementwise_bwd"] += n2 * h * (5 + 4 * (rk + rq))
-            if conn == "flat":  # rotate q, k, v, the factors and the output: O(n d r)
+            if conn in ("flat", "cumulative"):  # rotate q, k, v, the factors and the output: O(n d r)
                 c = parts["connection"]
                 c["elementwise_fwd"] += 3 * n * hd * (4 + rk + rq)
                 c["elementwise_bwd"] += 6 * n * hd * (4 + rk + rq)
-                act["connection"] += n * hd  # the rotation tables
+                act["connection"] += n * hd  # the rotation tables (cos and sin)
         if per_token and m is not None:
             linear("metric", D, h * m * r)  # the coefficients C_i; the basis is a parameter
             if not lifted:  # a connection turns each token's subspace: U = B C multiplied out, per-token path

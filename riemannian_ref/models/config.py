@@ -83,14 +83,15 @@ class FiberBundleConfig:
         :data:`~riemannian_ref.geometry.metric.LAM_MIN`.
     learn_temperature : bool, default False
         A learned per-head factor on :math:`1/\tau`.
-    connection : {"trivial", "flat", "content", "content_source"} or None, default None
-        Transport of keys and values (:mod:`~riemannian_ref.attention.connections`);
+    connection : {"trivial", "flat", "content", "content_source", "cumulative"} or None, default None
+        Transport of keys and values (:mod:`~riemannian_ref.attention.connections`;
+        ``"cumulative"`` is the flat content-dependent connection, :math:`O(n d)` extra);
         None: ``"content"`` (inverse-consistent) in ``"fiber_bundle"``
         mode, ``"trivial"`` otherwise.
     transport_values : bool, default True
         Transport the values along the connection too.
     rotary_base : float, default 10000.0
-        Base of the rotary rates of the flat and content connections.
+        Base of the rotary rates of the flat, content and cumulative connections.
     content_rate_std : float, default 0.5
         Init std of the content modulation of the rates (0: starts flat).
     precondition_ffn : bool or None, default None
