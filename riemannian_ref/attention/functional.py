@@ -174,10 +174,10 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     (``benchmarks/check_triton_precision.py``: the largest error over a few
     shapes, masks, causal and grouped-query cases, relative to the tensor's
     largest entry): the output 3.8e-4 in float16 (unit roundoff
-    u = 2**-11 = 4.9e-4) and 3.1e-3 in bfloat16 (u = 2**-8 = 3.9e-3); the
-    gradients of query, key, value and the factors at most 7.3e-4 and
-    6.8e-3; that of ``lam``, one sum over every pair of a head whose terms
-    cancel, 1.2e-2 and 8.8e-2. Float32: at most 5.9e-7 (``lam`` 3.8e-6), and
+    ``u = 2**-11``, 4.9e-4) and 3.1e-3 in bfloat16 (``u = 2**-8``,
+    3.9e-3); the gradients of query, key, value and the factors at most
+    7.3e-4 and 6.8e-3; that of ``lam``, one sum over every pair of a head
+    whose terms cancel, 1.2e-2 and 8.8e-2. Float32: at most 5.9e-7 (``lam`` 3.8e-6), and
     1.0e-5 when queries and keys share a shift three times their distances
     (the expanded distance cancels; the half-precision errors do not grow
     with such a shift).
