@@ -57,6 +57,8 @@ never an operand); the online softmax's running maximum is taken on those
 float32 scores. The backward uses each rounded dS on both sides of every
 expanded difference and keeps the row constant's gradient, so its error
 scales with :math:`|q_i - k_j|`, not with :math:`|q_i|` (see the kernels).
+Float16's range bounds the rounded operands: a score gradient (times X or Y)
+beyond 65504 overflows, as in FlashAttention's float16 backward.
 Measured against the float64 reference: ``benchmarks/check_triton_precision.py``.
 
 Masks follow the rule of the CPU operator: a float mask enters each row
