@@ -5,11 +5,15 @@ without a device, so this checks that the kernels compile for a GPU (the
 interpreter tests in tests/test_triton.py cannot: they run the kernels in
 numpy) and prints the shared memory of each kernel, which is where the
 default block sizes of ``riemannian_ref.attention._triton.default_blocks``
-come from. It measures no speed. About 10 s per kernel on one CPU core.
+come from, and the matrix (tensor-core) instructions of each kernel's PTX:
+float16/bfloat16 inputs multiply on f16/bf16 operands, float32 inputs
+without them (no TF32). It measures no speed. About 10 s per kernel on one CPU core.
 
     python benchmarks/check_triton_compile.py --arch 90 --d 64 --rk 2
 """
 import argparse
+import collections
+import re
 import warnings
 
 import triton
@@ -24,6 +28,15 @@ def compile_kernel(kern, ptrs: dict, consts: dict, arch: int):
                  for a in kern.arg_names}
     return triton.compile(ASTSource(fn=kern, signature=signature, constexprs=dict(consts)),
                           target=GPUTarget("cuda", arch, 32))
+
+
+def tensor_core_ops(ptx: str) -> str:
+    """The matrix instructions in a kernel's PTX, by operand type: ``mma.sync`` (sm_80) and ``wgmma`` (sm_90)."""
+    found = collections.Counter()
+    types = r"(?:f16|bf16|tf32|f32|f64)"
+    for m in re.finditer(rf"\b(mma\.sync|wgmma\.mma_async)\.[\w.]*?\.{types}\.({types})\b", ptx):  # D, A types
+        found[f"{m.group(1)} {m.group(2)}"] += 1
+    return "matrix instructions: " + (", ".join(f"{k} x{v}" for k, v in sorted(found.items())) or "none")
 
 
 def main() -> None:
@@ -41,7 +54,7 @@ def main() -> None:
     r = lambda n: triton.next_power_of_2(max(n, 1))  # noqa: E731
     bd = max(16, triton.next_power_of_2(a.d))
     consts = dict(CAUSAL=True, MASK_KIND=a.mask, HAS_UK=a.rk > 0, HAS_UQ=a.rq > 0, RK=r(a.rk), RQ=r(a.rq),
-                  BM=bm, BN=bn, BD=bd, BDV=bd)
+                  BM=bm, BN=bn, BD=bd, BDV=bd, LOWP=a.dtype != "fp32", EMU=False)
     t = f"*{a.dtype}"
     fwd = dict(Q=t, K=t, V=t, LAM=t, UK=t, UQ=t, MASK="*i8" if a.mask == 1 else t, MIDS="*i32", OUT=t,
                LSE="*fp32")
@@ -50,7 +63,8 @@ def main() -> None:
     for name, kern, ptrs in (("forward", T._fwd_kernel, fwd), ("dK/dV/dU_k", T._bwd_dkdv_kernel, bwd),
                              ("dQ/dU_q", T._bwd_dq_kernel, bwd)):
         c = compile_kernel(kern, ptrs, consts, a.arch)
-        print(f"  {name:11s} compiled, shared memory {c.metadata.shared / 1024:.0f} KiB", flush=True)
+        print(f"  {name:11s} compiled, shared memory {c.metadata.shared / 1024:.0f} KiB, "
+              f"{tensor_core_ops(c.asm['ptx'])}", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,16 @@ every worker that collects this file; it only affects Triton. Every call is
 the public ``rr.riemannian_attention`` inside the private
 ``functional._force_backend("triton")``, which sends it to the kernels on
 any device (so the tests run what CUDA calls run). Oracle: the
-dense reference, float32, outputs and every gradient. The shapes are tiny
+dense reference, outputs and every gradient, in float32, and per input dtype
+in float64 within first-order round-off bounds (their derivation and cases
+live in benchmarks/check_triton_precision.py, which also writes the measured
+table). The shapes are tiny
 (the interpreter runs each program in numpy) and the blocks are 16, so
 n = 33 spans three blocks with a partial one. No GPU speed is measured here.
 """
 import os
+import sys
+from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (see the module docstring)
 
@@ -24,6 +29,9 @@ import riemannian_ref as rr  # noqa: E402
 pytest.importorskip("triton", reason="triton is not installed (optional: pip install riemannian_ref[gpu])")
 from riemannian_ref.attention import _triton as T  # noqa: E402
 from riemannian_ref.attention import functional  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import check_triton_precision as precision  # noqa: E402  (the round-off bounds and their cases)
 
 if not T.interpreted():
     pytest.skip("riemannian_ref.attention._triton was imported before TRITON_INTERPRET=1 was set in this "
@@ -124,16 +132,58 @@ def test_general_bool_and_float_masks_and_dead_rows(gen):
     assert (out[..., 3, :] == 0).all() and all(torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("case", precision.QUICK, ids=lambda c: c.name)
+def test_round_off_per_dtype_within_its_first_order_bound(dtype, case):
+    """Output and every gradient (q, k, v, lam, U_q, U_k) against the float64 reference on the same inputs
+    (drawn in float64, rounded to the dtype): every entry's error is within its first-order bound, derived
+    from the dtype's unit roundoff u, float32's and the sizes n, d, d_v, g (benchmarks/check_triton_precision.py
+    ``bounds``: u times the sums of absolute values of the terms the kernels round, half products on the
+    difference form, plus the float32 scores' and sums' error), and half inputs keep their dtype. Shifted
+    queries and keys (|q|, |k| about 16-23, |q - k| about 6-8), masks, causal and grouped-query cases."""
+    rows = precision.measure(case, precision.DTYPES[dtype])
+    for name, r in rows.items():
+        assert r["ratio"] <= 1.0, f"{name}: error {r['err']:.3g} exceeds its bound (ratio {r['ratio']:.3g})"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_inputs_compute_in_float32_and_keep_their_dtype(gen, dtype):
-    ins = make(gen, "key", nq=20, nk=20, r=1, dtype=dtype)
-    tri = outputs_and_grads(on_triton, ins, None, True, "key", block_sizes=BLOCKS)
-    ref = outputs_and_grads(rr.riemannian_attention_reference, [t.float() for t in ins[:4]] + [None, ins[5].float()],
-                            None, True, "key")
-    tol = 1e-2 if dtype == torch.float16 else 6e-2  # the inputs' and outputs' rounding
-    for a, b in zip(tri, ref):
-        assert a.dtype == dtype and torch.isfinite(a).all()
-        torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol * b.abs().max().item())
+def test_half_round_off_does_not_grow_with_a_common_offset(gen, dtype):
+    """Moving every query and key by one vector c changes no score, so no output and no gradient; the half
+    kernels' error must not grow with |q| either. It would if the backward rounded dS differently in the two
+    terms of an expanded difference (sum_i dS_ij q_i - (sum_i dS_ij) k_j) or dropped the gradient of the
+    isotropic row constant -scale lam |q_i|^2 / 2, whose terms cancel only while sum_j dS_ij = 0, which the
+    rounding breaks: an error proportional to |q|. Inputs on a 2**-4 grid with |q + c| < 16 make q + c exact in
+    both dtypes and the float64 reference the same with and without c; with c = +-8 per coordinate an error
+    growing with |q| would grow by rms|q + c| / rms|q| (about 8), and the test allows the square root of that,
+    halfway on a log scale between no growth and that growth."""
+    case = precision.Case("offset", "key", B=1, h=2, h_kv=2, n=24, d=16, r=1, causal=True)
+    grid = lambda t: (t.clamp(-3, 3) * 16).round() / 16  # noqa: E731
+    q, k = grid(torch.randn(1, 2, 24, 16, generator=gen)), grid(torch.randn(1, 2, 24, 16, generator=gen))
+    c = 8.0 * torch.randn(16, generator=gen).sign()
+    rest = dict(v=torch.randn(1, 2, 24, 16, generator=gen), lam=torch.rand(2, generator=gen) + 0.5, U_q=None,
+                U_k=0.5 * torch.randn(1, 2, 24, 16, 1, generator=gen))
+    grad = torch.randn(1, 2, 24, 16, generator=gen).to(dtype)
+    rel = {}
+    for shift in (0.0, 1.0):
+        ins = dict(q=q + shift * c, k=k + shift * c, **rest)
+        ins = {name: t.to(dtype) if t is not None else None for name, t in ins.items()}
+        assert torch.equal(ins["q"].double() - ins["k"].double(), q.double() - k.double())  # exact shift
+        rows = precision.measure(case, dtype, data=dict(ins=ins, mask=None, grad=grad))
+        rel[shift] = {name: r["err"] / r["ref"] for name, r in rows.items()}
+    growth = ((q + c).square().mean() / q.square().mean()).sqrt().item()
+    for name in rel[0.0]:
+        assert rel[1.0][name] <= growth ** 0.5 * rel[0.0][name], (name, rel, growth)
+
+
+def test_precision_table_lists_every_dtype_and_tensor():
+    """The table check_triton_precision.py writes: a row per (dtype, offset), a column per tensor, the
+    largest relative error over the cases and the largest ratio to the bound (a tensor absent from a case is
+    skipped there)."""
+    row = {n: dict(err=2e-3, ref=4.0, ratio=0.5) for n in precision.TENSORS if n != "U_q"}
+    text = precision.table({("bf16", 0.0): [row, dict(row, U_q=dict(err=1.0, ref=1.0, ratio=0.25))],
+                            ("fp32", 4.0): [row]})
+    assert "| bf16 | 3.9e-03 | 0 | 5.0e-04 | 5.0e-04 |" in text and "| 1.0e+00 | 5.0e-04 |" in text
+    assert "| fp32 | 6.0e-08 | 4 | 0.5 |" in text and "| 0.25 |" in text and "| - |" in text
 
 
 def test_finfo_min_rows_follow_sdpa(gen):
@@ -248,8 +298,8 @@ def test_the_dispatch_call_site(gen, monkeypatch):
     ref = rr.riemannian_attention_reference(rep[0], *(t.repeat_interleave(2, 1) for t in rep[1:3]), bias.float(),
                                             0.0, True, U_k=rep[3].repeat_interleave(2, 1), lam=lam.float())
     grads_ref = torch.autograd.grad(ref, rep, w.float())
-    # the result's rounding (the interpreter may truncate: 1 ulp), and in the gradients rowsum(dO * O) from the
-    # output as stored in bfloat16
+    # the result's rounding (the kernels round to nearest in the interpreter too), the bfloat16 products of P
+    # and dS, and in the gradients rowsum(dO * O) from the output as stored in bfloat16
     eps = torch.finfo(torch.bfloat16).eps
     for a, b in zip((out, *grads), (ref, *grads_ref)):
         assert a.dtype == torch.bfloat16

@@ -37,9 +37,29 @@ stored. Backward: D = rowsum(dO * O) on the host, then one kernel per
 (batch element, key block) for dK, dV, dU_k and a partial of dlam (summed on
 the host), and one per (batch element, query block) for dQ and dU_q; both
 recompute the tiles, every program owns the rows it writes (no atomics, the
-result is deterministic). The products use ``input_precision="ieee"`` (no
-TF32): the expanded distance cancels terms of size :math:`|q|^2`. Inputs of
-float16/bfloat16 are loaded, computed in float32 and stored in their dtype.
+result is deterministic).
+
+Precision. Float32 inputs: every product in float32
+(``input_precision="ieee"``, no TF32: the expanded distance cancels terms of
+size :math:`|q|^2`). Float16/bfloat16 inputs: the matrix products run on the
+GPU's matrix units, ``tl.dot`` on operands in the input dtype accumulated in
+float32, as in FlashAttention's kernels :cite:`dao2023flashattention2`. Their
+operands are the inputs themselves (q, k, v, the factors, dO), whose products
+float32 holds exactly, and, rounded once to the input dtype, the
+probabilities P (for P V and P^T dO) and the score gradients dS (alone and
+times the rank products X, Y). The distance terms (:math:`|k_j|^2`,
+:math:`U_{j,t}\cdot k_j`, :math:`V_{i,t}\cdot q_i` and their differences with
+the products), the scores, the softmax, the log-sum-exp, D = rowsum(dO * O)
+and every accumulator stay float32; the results are stored in the input
+dtype. So the scores lose nothing to half precision (the cancelling terms are
+float32 sums of exact products, and scale and lam multiply the float32 result,
+never an operand); the online softmax's running maximum is taken on those
+float32 scores. The backward uses each rounded dS on both sides of every
+expanded difference and keeps the row constant's gradient, so its error
+scales with :math:`|q_i - k_j|`, not with :math:`|q_i|` (see the kernels).
+Float16's range bounds the rounded operands: a score gradient (times X or Y)
+beyond 65504 overflows, as in FlashAttention's float16 backward.
+Measured against the float64 reference: ``benchmarks/check_triton_precision.py``.
 
 Masks follow the rule of the CPU operator: a float mask enters each row
 relative to the row's largest visible entry, and a row whose largest entry is
@@ -119,7 +139,8 @@ def default_blocks(d: int, dv: int, rk: int, rq: int) -> tuple[int, int]:
     Not tuned on a GPU (none was at hand): chosen from the shared memory that
     Triton 3.9 reports when it compiles the kernels for sm_80 and sm_90
     without one (the rule keeps the stacked factor blocks at 4096 entries;
-    e.g. 66 KiB at most for d = 64, r = 2 and 132 KiB for d = 128, r = 2).
+    on sm_90 at most 144 KiB for float32 and 53 KiB for bfloat16 at d = 64,
+    r = 2, 132 and 36 KiB at d = 128, r = 2: half operands need less).
     A GPU with less shared memory gets smaller blocks at launch
     (:func:`_fitting_blocks`).
     """
@@ -393,8 +414,11 @@ def _kernel_args(q, k, v, lam, Ukt, Uqt, mask, mask_ids, mask_rows, causal, scal
     # a float mask's row offsets (Mb, 1|n_q): row stride, and stride per distinct mask
     smr, smrb = ((1 if mask_rows.shape[-1] > 1 else 0), mask_rows.shape[-1]) if mask_rows is not None else (0, 0)
     BM, BN = blocks
+    # LOWP: half inputs (half products, see the kernels); EMU: bfloat16 in the interpreter, which has no
+    # bfloat16 product (the same numbers in float32)
     const = dict(CAUSAL=bool(causal), MASK_KIND=kind, HAS_UK=rk > 0, HAS_UQ=rq > 0,
-                 RK=_pow2(max(rk, 1), 1), RQ=_pow2(max(rq, 1), 1), BM=BM, BN=BN, BD=_pow2(d), BDV=_pow2(dv))
+                 RK=_pow2(max(rk, 1), 1), RQ=_pow2(max(rq, 1), 1), BM=BM, BN=BN, BD=_pow2(d), BDV=_pow2(dv),
+                 LOWP=q.dtype != torch.float32, EMU=q.dtype == torch.bfloat16 and interpreted())
     return dict(uk=Ukt if Ukt is not None else q, uq=Uqt if Uqt is not None else q,
                 mask=mask if mask is not None else q, mids=mask_ids if mask_ids is not None else lam,
                 mrow=mask_rows if mask_rows is not None else lam, sizes=(n_q, n_k, d, dv, rk, rq),
@@ -419,10 +443,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _load_rows(ptr, rows, n_rows, row_stride, offs_c, n_cols):
-        """A float32 block of rows ``rows`` (masked to n_rows) and columns ``offs_c`` (masked to n_cols)."""
+        """A block of rows ``rows`` (masked to n_rows) and columns ``offs_c`` (masked to n_cols), in its dtype."""
         msk = (rows[:, None] < n_rows) & (offs_c[None, :] < n_cols)
-        return tl.load(ptr + rows[:, None].to(tl.int64) * row_stride + offs_c[None, :], mask=msk,
-                       other=0.0).to(tl.float32)
+        return tl.load(ptr + rows[:, None].to(tl.int64) * row_stride + offs_c[None, :], mask=msk, other=0.0)
 
     @triton.jit
     def _load_stacked(ptr, r, n, d, blk0, offs_d, R: tl.constexpr, BLK: tl.constexpr):
@@ -432,18 +455,53 @@ if HAS_TRITON:
         j = blk0 + offs % BLK
         msk = (t[:, None] < r) & (j[:, None] < n) & (offs_d[None, :] < d)
         return tl.load(ptr + (t[:, None] * n + j[:, None]).to(tl.int64) * d + offs_d[None, :], mask=msk,
-                       other=0.0).to(tl.float32)
+                       other=0.0)
+
+    # Matrix products. Their operands are the inputs as loaded (float16/bfloat16/float32) and, among the
+    # computed tiles, only the probabilities P and the score gradients dS (alone or times a rank product X or
+    # Y), rounded to the inputs' dtype: _rnd. Everything else (|k|^2, U.k, V.q, the scores, the softmax, the
+    # log-sum-exp, the accumulators) is float32. EMU (bfloat16 in Triton's interpreter, which has no bfloat16
+    # product and truncates its bfloat16 casts) computes the same numbers in float32: the operands are the
+    # float32 values of the bfloat16 ones (rounded to nearest even, as a GPU rounds) and a product of two of
+    # them is exact in float32, as it is in the tensor cores, which accumulate in float32.
+
+    @triton.jit
+    def _mm(a, b):
+        """a @ b accumulated in float32: tensor cores for half operands, float32 operands exactly (no TF32)."""
+        return tl.dot(a, b, input_precision="ieee")
+
+    @triton.jit
+    def _opnd(x, EMU: tl.constexpr):
+        """An input block as a product operand: as loaded (float32 under EMU)."""
+        if EMU:
+            x = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _rnd(x, DT: tl.constexpr, EMU: tl.constexpr):
+        """A float32 block rounded to the inputs' dtype DT (to nearest even): a product operand or a result."""
+        if EMU:  # bfloat16's rounding on the float32 bits (finite values; +-inf stay)
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+        else:
+            x = x.to(DT)
+        return x
 
     @triton.jit
     def _factor_rows(X, U, b, blk0, n, d, r, x, offs_d, HAS_U: tl.constexpr, R: tl.constexpr,
-                     BLK: tl.constexpr):
-        """A block's factors stacked as (R * BLK, d) and its rows repeated alike (``x`` where it has none)."""
+                     BLK: tl.constexpr, EMU: tl.constexpr):
+        """A block's factors stacked as (R * BLK, d) (product operands), its rows repeated alike (float32), and
+        the products U_{t,j} . x_j of each stacked row (float32); ``x`` (the block's operand rows) where it has
+        no factors."""
         u = x
         xr = x
+        ux = x
         if HAS_U:
-            u = _load_stacked(U + b * r * n * d, r, n, d, blk0, offs_d, R, BLK)
-            xr = _load_rows(X + b * n * d, blk0 + tl.arange(0, R * BLK) % BLK, n, d, offs_d, d)
-        return u, xr
+            u = _opnd(_load_stacked(U + b * r * n * d, r, n, d, blk0, offs_d, R, BLK), EMU)
+            xr = _load_rows(X + b * n * d, blk0 + tl.arange(0, R * BLK) % BLK, n, d, offs_d, d).to(tl.float32)
+            ux = _rsum(u.to(tl.float32) * xr, 1)
+        return u, xr, ux
 
     @triton.jit
     def _mask_base(MASK, MIDS, b, smb, MASK_KIND: tl.constexpr):
@@ -455,36 +513,39 @@ if HAS_TRITON:
 
     @triton.jit
     def _key_tile(K, V, UK, b, n0, n_k, d, dv, rk, offs_d, offs_dv, HAS_UK: tl.constexpr, RK: tl.constexpr,
-                  BN: tl.constexpr):
-        """Keys, values, stacked key factors and repeated keys of the key block starting at n0."""
+                  BN: tl.constexpr, EMU: tl.constexpr):
+        """Keys, values and stacked key factors (operands) of the key block at n0, |k_j|^2 and U_{t,j} . k_j."""
         offs_n = n0 + tl.arange(0, BN)
-        k = _load_rows(K + b * n_k * d, offs_n, n_k, d, offs_d, d)
-        v = _load_rows(V + b * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
-        uk, kr = _factor_rows(K, UK, b, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN)
-        return offs_n, k, v, uk, kr
+        k = _opnd(_load_rows(K + b * n_k * d, offs_n, n_k, d, offs_d, d), EMU)
+        v = _opnd(_load_rows(V + b * n_k * dv, offs_n, n_k, dv, offs_dv, dv), EMU)
+        kf = k.to(tl.float32)
+        uk, kr, uk_k = _factor_rows(K, UK, b, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN, EMU)
+        return offs_n, k, v, uk, _rsum(kf * kf, 1), uk_k
 
     @triton.jit
-    def _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk, mrow_ptr, smr,
-                CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr, HAS_UQ: tl.constexpr,
-                RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    def _scores(q, k, kk, uk, uk_k, uq, uq_q, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
+                mrow_ptr, smr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr,
+                HAS_UQ: tl.constexpr, RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         """Scores of a tile in base 2 (masked: -inf), with the rank products X (BM, RK*BN) and Y (RQ*BM, BN).
 
-        ``uk`` (RK*BN, BD) are the key block's factors stacked, ``kr`` the keys
-        repeated alike; ``uq``/``qr`` the same for the query block (RQ*BM rows).
+        ``q``, ``k`` are operand blocks, ``kk`` = |k_j|^2; ``uk`` (RK*BN, BD)
+        are the key block's factors stacked (operands), ``uk_k`` their
+        products with their keys; ``uq``/``uq_q`` the same for the query block
+        (RQ*BM rows). Every product here multiplies two inputs, which float32
+        holds exactly (half operands), and the cancelling terms |k_j|^2/2
+        against q_i . k_j and U.k against q.U stay float32 sums of float32
+        products: half inputs cost the scores nothing.
         """
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        kk = _rsum(k * k, 1)
+        qk = _mm(q, tl.trans(k))
         s = (scale * lam) * (qk - 0.5 * kk[None, :])
         X = qk
         Y = qk
         if HAS_UK:
-            a = _rsum(uk * kr, 1)  # U_{j,t} . k_j
-            X = tl.dot(q, tl.trans(uk), input_precision="ieee") - a[None, :]
+            X = _mm(q, tl.trans(uk)) - uk_k[None, :]
             X3 = tl.reshape(X, (BM, RK, BN))
             s -= (0.5 * scale * w) * _rsum(X3 * X3, 1)
         if HAS_UQ:
-            b = _rsum(uq * qr, 1)  # V_{i,t} . q_i
-            Y = b[:, None] - tl.dot(uq, tl.trans(k), input_precision="ieee")
+            Y = uq_q[:, None] - _mm(uq, tl.trans(k))
             Y3 = tl.reshape(Y, (RQ, BM, BN))
             s -= (0.5 * scale * w) * _rsum(Y3 * Y3, 0)
         valid = offs_n[None, :] < n_k
@@ -512,18 +573,18 @@ if HAS_TRITON:
                     n_q, n_k, d, dv, rk, rq, smq, smk, smb, smr, smrb, scale, w, G,
                     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr, HAS_UQ: tl.constexpr,
                     RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BD: tl.constexpr, BDV: tl.constexpr):
+                    BD: tl.constexpr, BDV: tl.constexpr, LOWP: tl.constexpr, EMU: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         kb = b // G  # the key head this query head reads (grouped-query attention)
         m0 = tl.program_id(1) * BM
         offs_m = m0 + tl.arange(0, BM)
         offs_d = tl.arange(0, BD)
         offs_dv = tl.arange(0, BDV)
-        q = _load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d)
+        q = _opnd(_load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d), EMU)
         lam = tl.load(LAM + b).to(tl.float32)
         mask_ptr = _mask_base(MASK, MIDS, b, smb, MASK_KIND)
         mrow_ptr = _mask_base(MROW, MIDS, b, smrb, MASK_KIND)
-        uq, qr = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM)
+        uq, qr, uq_q = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM, EMU)
         m_i = tl.full((BM,), float("-inf"), tl.float32)
         l_i = tl.full((BM,), 0.0, tl.float32)
         acc = tl.full((BM, BDV), 0.0, tl.float32)
@@ -531,15 +592,16 @@ if HAS_TRITON:
         if CAUSAL:
             hi = tl.minimum(n_k, m0 + BM)
         for n0 in range(0, hi, BN):
-            offs_n, k, v, uk, kr = _key_tile(K, V, UK, kb, n0, n_k, d, dv, rk, offs_d, offs_dv, HAS_UK, RK, BN)
-            s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
-                              mrow_ptr, smr, CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
+            offs_n, k, v, uk, kk, uk_k = _key_tile(K, V, UK, kb, n0, n_k, d, dv, rk, offs_d, offs_dv, HAS_UK, RK,
+                                                   BN, EMU)
+            s, X, Y = _scores(q, k, kk, uk, uk_k, uq, uq_q, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq,
+                              smk, mrow_ptr, smr, CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
             m_new = tl.maximum(m_i, _rmax(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
             p = tl.exp2(s - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + _rsum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            l_i = l_i * alpha + _rsum(p, 1)  # from the float32 p (FlashAttention's order)
+            acc = acc * alpha[:, None] + _mm(_rnd(p, Q.dtype.element_ty, EMU), v)
             m_i = m_new
         alive = l_i > 0.0  # rows that see no key: output 0, lse +inf (their weights are 0 in the backward)
         out = acc / tl.where(alive, l_i, 1.0)[:, None]
@@ -547,15 +609,25 @@ if HAS_TRITON:
         lse = tl.where(alive, m_fin + tl.log2(tl.where(alive, l_i, 1.0)), float("inf"))
         omask = (offs_m[:, None] < n_q) & (offs_dv[None, :] < dv)
         tl.store(OUT + b * n_q * dv + offs_m[:, None].to(tl.int64) * dv + offs_dv[None, :],
-                 out.to(OUT.dtype.element_ty), mask=omask)
+                 _rnd(out, OUT.dtype.element_ty, EMU).to(OUT.dtype.element_ty), mask=omask)
         tl.store(LSE + b * n_q + offs_m, lse, mask=offs_m < n_q)
+
+    # The backward's half products round dS (and dS X, dS Y) once and use the rounded values on both sides of
+    # each difference the expanded form takes: dk_j = scale lam (sum_i dS_ij q_i - (sum_i dS_ij) k_j) sums the
+    # same dS_ij in both terms, so the rounding's error is that of sum_i dS_ij (q_i - k_j), of the size of
+    # |q_i - k_j|, not of |q_i| and |k_j| (the same for dU_k, dU_q with X, Y). With half inputs (LOWP) the
+    # isotropic row constant -scale lam |q_i|^2 / 2, whose gradient terms cancel when sum_j dS_ij = 0, is kept
+    # in dq and dlam: rounded, and with D = rowsum(dO * O) from the output as stored, sum_j dS_ij is not 0 to
+    # half precision, and dropping the term would leave an error growing with |q_i| (translation invariance).
+    # Float32 inputs run the float32 kernels as before (no rounding, the row constant dropped).
 
     @triton.jit
     def _bwd_dkdv_kernel(Q, K, V, LAM, UK, UQ, MASK, MIDS, MROW, DO, LSE, DR, DK, DV, DUK, DLAM,
                          n_q, n_k, d, dv, rk, rq, smq, smk, smb, smr, smrb, scale, w, G,
                          CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr,
                          HAS_UQ: tl.constexpr, RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr,
-                         BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+                         BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, LOWP: tl.constexpr,
+                         EMU: tl.constexpr):
         # one program per (key head kb, key block): it sums over the G query heads b = kb G + g that read kb
         kb = tl.program_id(0).to(tl.int64)
         pid_n = tl.program_id(1)
@@ -563,9 +635,12 @@ if HAS_TRITON:
         offs_n = n0 + tl.arange(0, BN)
         offs_d = tl.arange(0, BD)
         offs_dv = tl.arange(0, BDV)
-        k = _load_rows(K + kb * n_k * d, offs_n, n_k, d, offs_d, d)
-        v = _load_rows(V + kb * n_k * dv, offs_n, n_k, dv, offs_dv, dv)
-        uk, kr = _factor_rows(K, UK, kb, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN)
+        DT = Q.dtype.element_ty
+        k = _opnd(_load_rows(K + kb * n_k * d, offs_n, n_k, d, offs_d, d), EMU)
+        v = _opnd(_load_rows(V + kb * n_k * dv, offs_n, n_k, dv, offs_dv, dv), EMU)
+        kf = k.to(tl.float32)
+        kk = _rsum(kf * kf, 1)
+        uk, kr, uk_k = _factor_rows(K, UK, kb, n0, n_k, d, rk, k, offs_d, HAS_UK, RK, BN, EMU)
         dk = tl.full((BN, BD), 0.0, tl.float32)
         acc_dv = tl.full((BN, BDV), 0.0, tl.float32)
         acc_du = tl.full((RK * BN, BD), 0.0, tl.float32)  # sum_i dS_ij X_t,ij q_i
@@ -581,100 +656,116 @@ if HAS_TRITON:
             mrow_ptr = _mask_base(MROW, MIDS, b, smrb, MASK_KIND)
             acc_g = tl.full((BN, BD), 0.0, tl.float32)  # sum_i dS_ij q_i (this query head: its own lam)
             colsum = tl.full((BN,), 0.0, tl.float32)  # sum_i dS_ij
+            colq = tl.full((BN,), 0.0, tl.float32)  # sum_i dS_ij |q_i|^2 (LOWP: the row constant's part of dlam)
             for m0 in range(lo, n_q, BM):
                 offs_m = m0 + tl.arange(0, BM)
-                q = _load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d)
-                do = _load_rows(DO + b * n_q * dv, offs_m, n_q, dv, offs_dv, dv)
+                q = _opnd(_load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d), EMU)
+                do = _opnd(_load_rows(DO + b * n_q * dv, offs_m, n_q, dv, offs_dv, dv), EMU)
                 lse = tl.load(LSE + b * n_q + offs_m, mask=offs_m < n_q, other=float("inf"))
                 Dr = tl.load(DR + b * n_q + offs_m, mask=offs_m < n_q, other=0.0)
-                uq, qr = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM)
-                s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq,
-                                  smk, mrow_ptr, smr, CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
+                uq, qr, uq_q = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM, EMU)
+                s, X, Y = _scores(q, k, kk, uk, uk_k, uq, uq_q, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr,
+                                  smq, smk, mrow_ptr, smr, CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
                 p = tl.exp2(s - lse[:, None])
-                acc_dv += tl.dot(tl.trans(p), do, input_precision="ieee")
-                dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-                ds = p * (dp - Dr[:, None])
-                acc_g += tl.dot(tl.trans(ds), q, input_precision="ieee")
+                acc_dv += _mm(tl.trans(_rnd(p, DT, EMU)), do)
+                dp = _mm(do, tl.trans(v))
+                ds_op = _rnd(p * (dp - Dr[:, None]), DT, EMU)
+                ds = ds_op.to(tl.float32)  # the values the products see
+                acc_g += _mm(tl.trans(ds_op), q)
                 colsum += _rsum(ds, 0)
+                if LOWP:
+                    qf = q.to(tl.float32)
+                    colq += _rsum(ds * _rsum(qf * qf, 1)[:, None], 0)
                 if HAS_UK:
-                    dsx = tl.reshape(ds[:, None, :] * tl.reshape(X, (BM, RK, BN)), (BM, RK * BN))
-                    acc_du += tl.dot(tl.trans(dsx), q, input_precision="ieee")
-                    cx += _rsum(dsx, 0)
+                    dsx = _rnd(tl.reshape(ds[:, None, :] * tl.reshape(X, (BM, RK, BN)), (BM, RK * BN)), DT, EMU)
+                    acc_du += _mm(tl.trans(dsx), q)
+                    cx += _rsum(dsx.to(tl.float32), 0)
                 if HAS_UQ:
-                    dsy = tl.reshape(ds[None, :, :] * tl.reshape(Y, (RQ, BM, BN)), (RQ * BM, BN))
-                    acc_y += tl.dot(tl.trans(dsy), uq, input_precision="ieee")
-            dk += (scale * lam) * (acc_g - colsum[:, None] * k)
-            # d s_ij / d lam = scale (q_i . k_j - |k_j|^2 / 2) (the row constant has zero gradient)
-            dlam = scale * (_rsum(_rsum(k * acc_g, 1), 0) - 0.5 * _rsum(colsum * _rsum(k * k, 1), 0))
+                    dsy = _rnd(tl.reshape(ds[None, :, :] * tl.reshape(Y, (RQ, BM, BN)), (RQ * BM, BN)), DT, EMU)
+                    acc_y += _mm(tl.trans(dsy), uq)
+            dk += (scale * lam) * (acc_g - colsum[:, None] * kf)
+            # d s_ij / d lam = scale (q_i . k_j - |k_j|^2 / 2), and - scale |q_i|^2 / 2 from the row constant
+            dlam = scale * (_rsum(_rsum(kf * acc_g, 1), 0) - 0.5 * _rsum(colsum * kk, 0))
+            if LOWP:
+                dlam -= 0.5 * scale * _rsum(colq, 0)
             tl.store(DLAM + b * tl.num_programs(1) + pid_n, dlam)
         if HAS_UK:
-            dk += (scale * w) * _rsum(tl.reshape(cx[:, None] * uk, (RK, BN, BD)), 0)
+            dk += (scale * w) * _rsum(tl.reshape(cx[:, None] * uk.to(tl.float32), (RK, BN, BD)), 0)
             du = -(scale * w) * (acc_du - cx[:, None] * kr)
             offs = tl.arange(0, RK * BN)
             t = offs // BN
             j = n0 + offs % BN
             umask = (t[:, None] < rk) & (j[:, None] < n_k) & (offs_d[None, :] < d)
             tl.store(DUK + kb * rk * n_k * d + (t[:, None] * n_k + j[:, None]).to(tl.int64) * d + offs_d[None, :],
-                     du.to(DUK.dtype.element_ty), mask=umask)
+                     _rnd(du, DUK.dtype.element_ty, EMU).to(DUK.dtype.element_ty), mask=umask)
         if HAS_UQ:
             dk += (scale * w) * acc_y
         kmask = (offs_n[:, None] < n_k) & (offs_d[None, :] < d)
         tl.store(DK + kb * n_k * d + offs_n[:, None].to(tl.int64) * d + offs_d[None, :],
-                 dk.to(DK.dtype.element_ty), mask=kmask)
+                 _rnd(dk, DK.dtype.element_ty, EMU).to(DK.dtype.element_ty), mask=kmask)
         vmask = (offs_n[:, None] < n_k) & (offs_dv[None, :] < dv)
         tl.store(DV + kb * n_k * dv + offs_n[:, None].to(tl.int64) * dv + offs_dv[None, :],
-                 acc_dv.to(DV.dtype.element_ty), mask=vmask)
+                 _rnd(acc_dv, DV.dtype.element_ty, EMU).to(DV.dtype.element_ty), mask=vmask)
 
     @triton.jit
     def _bwd_dq_kernel(Q, K, V, LAM, UK, UQ, MASK, MIDS, MROW, DO, LSE, DR, DQ, DUQ,
                        n_q, n_k, d, dv, rk, rq, smq, smk, smb, smr, smrb, scale, w, G,
                        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_UK: tl.constexpr,
                        HAS_UQ: tl.constexpr, RK: tl.constexpr, RQ: tl.constexpr, BM: tl.constexpr,
-                       BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+                       BN: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr, LOWP: tl.constexpr,
+                       EMU: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         kb = b // G
         m0 = tl.program_id(1) * BM
         offs_m = m0 + tl.arange(0, BM)
         offs_d = tl.arange(0, BD)
         offs_dv = tl.arange(0, BDV)
-        q = _load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d)
-        do = _load_rows(DO + b * n_q * dv, offs_m, n_q, dv, offs_dv, dv)
+        DT = Q.dtype.element_ty
+        q = _opnd(_load_rows(Q + b * n_q * d, offs_m, n_q, d, offs_d, d), EMU)
+        do = _opnd(_load_rows(DO + b * n_q * dv, offs_m, n_q, dv, offs_dv, dv), EMU)
         lse = tl.load(LSE + b * n_q + offs_m, mask=offs_m < n_q, other=float("inf"))
         Dr = tl.load(DR + b * n_q + offs_m, mask=offs_m < n_q, other=0.0)
         lam = tl.load(LAM + b).to(tl.float32)
         mask_ptr = _mask_base(MASK, MIDS, b, smb, MASK_KIND)
         mrow_ptr = _mask_base(MROW, MIDS, b, smrb, MASK_KIND)
-        uq, qr = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM)
+        uq, qr, uq_q = _factor_rows(Q, UQ, b, m0, n_q, d, rq, q, offs_d, HAS_UQ, RQ, BM, EMU)
         acc_dq = tl.full((BM, BD), 0.0, tl.float32)
         acc_dvq = tl.full((RQ * BM, BD), 0.0, tl.float32)  # sum_j dS_ij Y_t,ij k_j
         yq = tl.full((RQ * BM,), 0.0, tl.float32)  # sum_j dS_ij Y_t,ij
+        rowsum = tl.full((BM,), 0.0, tl.float32)  # sum_j dS_ij (LOWP: the row constant's part of dq)
         hi = n_k
         if CAUSAL:
             hi = tl.minimum(n_k, m0 + BM)
         for n0 in range(0, hi, BN):
-            offs_n, k, v, uk, kr = _key_tile(K, V, UK, kb, n0, n_k, d, dv, rk, offs_d, offs_dv, HAS_UK, RK, BN)
-            s, X, Y = _scores(q, k, uk, kr, uq, qr, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq, smk,
-                              mrow_ptr, smr, CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
+            offs_n, k, v, uk, kk, uk_k = _key_tile(K, V, UK, kb, n0, n_k, d, dv, rk, offs_d, offs_dv, HAS_UK, RK,
+                                                   BN, EMU)
+            s, X, Y = _scores(q, k, kk, uk, uk_k, uq, uq_q, lam, scale, w, offs_m, offs_n, n_q, n_k, mask_ptr, smq,
+                              smk, mrow_ptr, smr, CAUSAL, MASK_KIND, HAS_UK, HAS_UQ, RK, RQ, BM, BN)
             p = tl.exp2(s - lse[:, None])
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-            ds = p * (dp - Dr[:, None])
-            acc_dq += (scale * lam) * tl.dot(ds, k, input_precision="ieee")
+            dp = _mm(do, tl.trans(v))
+            ds_op = _rnd(p * (dp - Dr[:, None]), DT, EMU)
+            ds = ds_op.to(tl.float32)  # the values the products see
+            acc_dq += (scale * lam) * _mm(ds_op, k)
+            if LOWP:
+                rowsum += _rsum(ds, 1)
             if HAS_UK:
-                dsx = tl.reshape(ds[:, None, :] * tl.reshape(X, (BM, RK, BN)), (BM, RK * BN))
-                acc_dq -= (scale * w) * tl.dot(dsx, uk, input_precision="ieee")
+                dsx = _rnd(tl.reshape(ds[:, None, :] * tl.reshape(X, (BM, RK, BN)), (BM, RK * BN)), DT, EMU)
+                acc_dq -= (scale * w) * _mm(dsx, uk)
             if HAS_UQ:
-                dsy = tl.reshape(ds[None, :, :] * tl.reshape(Y, (RQ, BM, BN)), (RQ * BM, BN))
-                yq += _rsum(dsy, 1)
-                acc_dvq += tl.dot(dsy, k, input_precision="ieee")
+                dsy = _rnd(tl.reshape(ds[None, :, :] * tl.reshape(Y, (RQ, BM, BN)), (RQ * BM, BN)), DT, EMU)
+                yq += _rsum(dsy.to(tl.float32), 1)
+                acc_dvq += _mm(dsy, k)
+        if LOWP:
+            acc_dq -= (scale * lam) * rowsum[:, None] * q.to(tl.float32)
         if HAS_UQ:
-            acc_dq -= (scale * w) * _rsum(tl.reshape(yq[:, None] * uq, (RQ, BM, BD)), 0)
+            acc_dq -= (scale * w) * _rsum(tl.reshape(yq[:, None] * uq.to(tl.float32), (RQ, BM, BD)), 0)
             duq = -(scale * w) * (yq[:, None] * qr - acc_dvq)
             offs = tl.arange(0, RQ * BM)
             t = offs // BM
             i = m0 + offs % BM
             umask = (t[:, None] < rq) & (i[:, None] < n_q) & (offs_d[None, :] < d)
             tl.store(DUQ + b * rq * n_q * d + (t[:, None] * n_q + i[:, None]).to(tl.int64) * d + offs_d[None, :],
-                     duq.to(DUQ.dtype.element_ty), mask=umask)
+                     _rnd(duq, DUQ.dtype.element_ty, EMU).to(DUQ.dtype.element_ty), mask=umask)
         qmask = (offs_m[:, None] < n_q) & (offs_d[None, :] < d)
         tl.store(DQ + b * n_q * d + offs_m[:, None].to(tl.int64) * d + offs_d[None, :],
-                 acc_dq.to(DQ.dtype.element_ty), mask=qmask)
+                 _rnd(acc_dq, DQ.dtype.element_ty, EMU).to(DQ.dtype.element_ty), mask=qmask)
