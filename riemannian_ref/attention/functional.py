@@ -134,8 +134,10 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     extremely far) are recomputed with the online softmax.
 
     Precision: float32 and float64 run natively. Float16/bfloat16 inputs are
-    computed in float32 and returned in their dtype, on every branch
-    (dropout included). Under ``torch.autocast`` the inputs may come in mixed
+    computed in float32 and returned in their dtype, on every CPU branch
+    (dropout included); on the Triton kernels (CUDA) their matrix products
+    take half-precision operands with float32 accumulation, the distances and
+    the softmax staying float32 (see GPU below). Under ``torch.autocast`` the inputs may come in mixed
     precisions (a model's float32 ``lam`` next to autocast queries): they are
     computed in float32 and the result has the autocast dtype, as SDPA's
     result has there (float64 inputs, which autocast leaves alone, stay
@@ -286,8 +288,9 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
               batch, blocks, g):
     """A validated call (``g`` > 1: grouped-query views, key side [..., h_kv, 1]) to its backend.
 
-    One dtype rule on every branch: float16/bfloat16 are computed in float32
-    and returned in their dtype (the Triton kernels do that themselves).
+    Float16/bfloat16 are computed in float32 and returned in their dtype on
+    every branch but the Triton kernels, which multiply half-precision
+    operands on the matrix units with float32 accumulation themselves.
     """
     n_q, n_k = query.shape[-2], key.shape[-2]
     if n_q == 0 or math.prod(batch) == 0:  # nothing to compute
