@@ -138,8 +138,8 @@ def test_content_connections_in_the_module(connection):
     m2.load_state_dict(m.state_dict())
     assert (m2(x)[0] - out).abs().max() > 1e-6
     # the default content connection is inverse-consistent on the module's own rates
-    phi = rr.attention.connections.transport_angles(rates, torch.arange(9, dtype=F64),
-                                                    rr.attention.connections.edge_rule(connection))
+    phi = rr.geometry.transport.transport_angles(rates, torch.arange(9, dtype=F64),
+                                                    rr.geometry.transport.edge_rule(connection))
     antisym = (phi + phi.transpose(-2, -3)).abs().max()
     assert (antisym == 0) if connection == "content" else (antisym > 1e-6)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import riemannian_ref as rr
-from riemannian_ref.attention.connections import CONNECTIONS
+from riemannian_ref.geometry.transport import CONNECTIONS
 from riemannian_ref.models import MODES, FiberBundleOutput
 
 from _helpers import Boom, payload_globals

@@ -2,7 +2,7 @@ r"""Diagnostics of a connection on the head bundle: holonomy, transport closure,
 
 The connections themselves (rotations by angles :math:`(p_i - p_j)\,\omega_{ij}`,
 or by differences :math:`\phi_i - \phi_j` of cumulative phases, on consecutive
-coordinate pairs) are in :mod:`riemannian_ref.attention.connections`;
+coordinate pairs) are in :mod:`riemannian_ref.geometry.transport`;
 here are the measurements a reader runs on them, each returning tensors:
 
 - :func:`holonomy_defect`: :math:`\|P_{k\to i} P_{j\to k} P_{i\to j} - I\|_F`
@@ -19,11 +19,11 @@ here are the measurements a reader runs on them, each returning tensors:
   average over.
 
 Each takes the per-token rates and the edge ``rule`` of the connection
-(:func:`~riemannian_ref.attention.connections.edge_rule`): ``"mean"`` for the
+(:func:`~riemannian_ref.geometry.transport.edge_rule`): ``"mean"`` for the
 inverse-consistent content connection (and for trivial and flat, where the
 rules agree), ``"source"`` for ``"content_source"``, ``"cumulative"`` for
 ``"cumulative"`` (the edge's angle is then :math:`\phi_i - \phi_j` of the
-per-token phases of :func:`~riemannian_ref.attention.connections.cumulative_phases`).
+per-token phases of :func:`~riemannian_ref.geometry.transport.cumulative_phases`).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .._checks import as_positive, broadcast_batch, check_tensor, shape_str
-from ..attention.connections import _check_rule, _phases, _positions, _rotate_factor, rotate_pairs
+from ..geometry.transport import _check_rule, _phases, _positions, _rotate_factor, rotate_pairs
 
 __all__ = [
     "sample_triangles",
@@ -141,7 +141,7 @@ def holonomy_defect(rates: Tensor, triangles: Tensor, positions: Tensor | None =
     With ``rule="cumulative"`` the three edges turn by
     :math:`\phi_j - \phi_i`, :math:`\phi_k - \phi_j` and
     :math:`\phi_i - \phi_k` of the per-token phases
-    (:func:`~riemannian_ref.attention.connections.cumulative_phases`), whose
+    (:func:`~riemannian_ref.geometry.transport.cumulative_phases`), whose
     sum is zero: the holonomy is the round-off of those three differences,
     about the float epsilon times the largest phase, for every loop (a flat
     connection).
@@ -153,7 +153,7 @@ def holonomy_defect(rates: Tensor, triangles: Tensor, positions: Tensor | None =
     Parameters
     ----------
     rates : Tensor, shape [..., n, d/2]
-        Per-token rates :math:`\omega_j` (:func:`~riemannian_ref.attention.connections.connection_rates`).
+        Per-token rates :math:`\omega_j` (:func:`~riemannian_ref.geometry.transport.connection_rates`).
     triangles : Tensor, shape [T, 3]
         Long indices (i, j, k) (:func:`sample_triangles`); a repeated index
         gives a two-edge loop.
@@ -161,7 +161,7 @@ def holonomy_defect(rates: Tensor, triangles: Tensor, positions: Tensor | None =
     reduce : bool
         Average over triangles (shape [...]) or return all (shape [..., T]).
     rule : {"mean", "source", "cumulative"}
-        How an edge reads its rate (:func:`~riemannian_ref.attention.connections.edge_rule`).
+        How an edge reads its rate (:func:`~riemannian_ref.geometry.transport.edge_rule`).
     """
     rates, p = _check_rates(rates, positions)
     _check_rule(rule)
@@ -241,7 +241,7 @@ def metric_compatibility_defect(lam, U: Tensor, rates: Tensor, pairs: Tensor,
     :math:`G_i` and :math:`G_j` have different eigenvalues no rotation is
     compatible, and the relative defect of every connection of the package
     is then bounded away from 0; the compatible maps are
-    :math:`G_i^{-1/2} O\, G_j^{1/2}` (:func:`~riemannian_ref.attention.connections.compatible_transport`).
+    :math:`G_i^{-1/2} O\, G_j^{1/2}` (:func:`~riemannian_ref.geometry.transport.compatible_transport`).
     With :math:`G = \lambda I + U U^\top`,
     :math:`A = P^\top U_i`, :math:`B = U_j`, :math:`c = \lambda_i - \lambda_j`:
 

@@ -4,8 +4,9 @@
   fast blockwise operator with the signature of SDPA.
 - :mod:`~riemannian_ref.attention.reference`: the dense definition and the plain
   blockwise algorithm (oracles and reading).
-- :mod:`~riemannian_ref.attention.connections`: parallel transport between token
-  fibres and :func:`connection_attention`.
+- :mod:`~riemannian_ref.attention.connections`: :func:`connection_attention`,
+  attention along a connection (the transports themselves are geometry:
+  :mod:`riemannian_ref.geometry.transport`).
 - :mod:`~riemannian_ref.attention.layer`: :class:`RiemannianAttention`, the module
   every model uses.
 """

@@ -15,7 +15,7 @@ dot product (``scores="dot"``) or the Riemannian distance score
 (``scores="metric"``) whose metrics :math:`G = \lambda I + U U^\top` come from
 one :class:`~riemannian_ref.geometry.metric.MetricNet` (per token, or one
 shared metric per head), and :math:`P_{j\to i}` the transport of a connection
-(:mod:`riemannian_ref.attention.connections`; the identity by default).
+(:mod:`riemannian_ref.geometry.transport`; the identity by default).
 
 The query/key maps are stored as frames of shape ``[h, D, d]`` so that a
 Stiefel optimiser (:class:`~riemannian_ref.optim.adam.StiefelAdam`) can keep
@@ -34,7 +34,8 @@ from .._checks import check_bool, check_choice, check_int, check_number, check_t
 from ..geometry.metric import LAM_MIN, MetricNet, SubspaceFactors, raw_from_lam
 from ..geometry.scores import METRIC_SIDES, riemannian_scores
 from ._validate import autocast_dtype
-from .connections import CONNECTIONS, connection_attention, rotary_frequencies
+from ..geometry.transport import CONNECTIONS, rotary_frequencies
+from .connections import connection_attention
 from .functional import riemannian_attention
 
 CONTENT_CONNECTIONS = ("content", "content_source", "cumulative")  # connections with learned per-token rates
@@ -107,7 +108,7 @@ class AttentionConfig:
         (inverse-consistent, curved), or of its source only, or the rates
         integrated along the sequence into per-token phases (flat,
         content-dependent, :math:`O(n d)` extra)
-        (:mod:`~riemannian_ref.attention.connections`).
+        (:mod:`~riemannian_ref.geometry.transport`).
     rotary_base : float, default 10000.0
         Base of the rotary rates :math:`\theta_m = \text{base}^{-2m/d}`.
     content_rate_std : float, default 0.5
@@ -351,7 +352,7 @@ class RiemannianAttention(nn.Module):
         rates : Tensor or None
             ``"flat"``: [d/2]; content connections (also ``"cumulative"``):
             the per-token rates [B, h, n, d/2] (how an edge combines them:
-            :func:`~riemannian_ref.attention.connections.edge_rule`); else None.
+            :func:`~riemannian_ref.geometry.transport.edge_rule`); else None.
         """
         cfg = self.config
         rates = None

@@ -7,6 +7,8 @@
 - :mod:`~riemannian_ref.geometry.rank_bounds`: Theorem 1's bounds and factors.
 - :mod:`~riemannian_ref.geometry.geodesics`: pair distances and segment lengths.
 - :mod:`~riemannian_ref.geometry.fields`: metric fields, curve lengths, shortest paths.
+- :mod:`~riemannian_ref.geometry.transport`: the connections between token fibres
+  (rotations, rates, angles, phases) that attention transports along.
 """
 from .fields import *  # noqa: F401,F403
 from .fields import __all__ as _fields
@@ -18,5 +20,7 @@ from .rank_bounds import *  # noqa: F401,F403
 from .rank_bounds import __all__ as _rank_bounds
 from .scores import *  # noqa: F401,F403
 from .scores import __all__ as _scores
+from .transport import *  # noqa: F401,F403
+from .transport import __all__ as _transport
 
-__all__ = [*_metric, *_scores, *_rank_bounds, *_geodesics, *_fields]
+__all__ = [*_metric, *_scores, *_rank_bounds, *_geodesics, *_fields, *_transport]

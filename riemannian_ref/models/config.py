@@ -14,7 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ..attention.connections import CONNECTIONS
+from ..geometry.transport import CONNECTIONS
 from .._checks import check_bool, check_choice as _choice, check_int as _pos_int, check_number as _number
 from ..attention.layer import AttentionConfig
 from ..geometry.metric import _F32_MAX, raw_from_lam
@@ -84,7 +84,7 @@ class FiberBundleConfig:
     learn_temperature : bool, default False
         A learned per-head factor on :math:`1/\tau`.
     connection : {"trivial", "flat", "content", "content_source", "cumulative"} or None, default None
-        Transport of keys and values (:mod:`~riemannian_ref.attention.connections`;
+        Transport of keys and values (:mod:`~riemannian_ref.geometry.transport`;
         ``"cumulative"`` is the flat content-dependent connection, :math:`O(n d)` extra);
         None: ``"content"`` (inverse-consistent) in ``"fiber_bundle"``
         mode, ``"trivial"`` otherwise.

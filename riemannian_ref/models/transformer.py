@@ -297,7 +297,7 @@ class FiberBundleTransformer(nn.Module):
     def _diagnostics(self, H: Tensor, n_samples: int) -> dict:
         from ..analysis.bundle import (holonomy_defect, metric_compatibility_defect, sample_pairs,
                                        sample_triangles, transport_closure_defect)
-        from ..attention.connections import connection_rates, edge_rule
+        from ..geometry.transport import connection_rates, edge_rule
 
         Hd = H.detach()
         res = Hd - Hd.mean(-2, keepdim=True)
