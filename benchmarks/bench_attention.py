@@ -187,6 +187,27 @@ def machine_info(threads):
             "python": platform.python_version()}
 
 
+def finish(info: dict, t_start: float, out, payload: dict, lines: list[str] | None = None) -> None:
+    """Record the load after and the wall time in ``info``, then write ``out``.json (``payload``) and, given
+    the table's ``lines``, ``out``.md; ``out`` None or empty writes nothing."""
+    info["load_after"] = os.getloadavg()
+    info["wall_s"] = time.time() - t_start
+    if not out:
+        return
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    if lines is not None:
+        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def load_text(info: dict) -> str:
+    """'Load average before: a, b, c; after: x, y, z. Wall time N min.' for a results file."""
+    f = lambda xs: ", ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    return (f"Load average before: {f(info['load_before'])}; after: {f(info['load_after'])}. "
+            f"Wall time {info['wall_s'] / 60:.0f} min.")
+
+
 def plan(args):
     """(side, B, threads, n, r) of every timed configuration, in the order they run.
 

@@ -25,7 +25,6 @@ the load average is recorded. Writes ``results/bench_content_cpu.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ import riemannian_ref as rr
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_attention import machine_info  # noqa: E402
+from bench_attention import finish, load_text, machine_info  # noqa: E402
 
 
 def inputs(n, B=2, h=2, d=64, r=2, seed=0):
@@ -122,23 +121,18 @@ def main():
                              vs_sdpa=statistics.median(t / s for t, s in zip(ts, rounds["sdpa"])),
                              vs_kernel=statistics.median(t / s for t, s in zip(ts, rounds["kernel"]))))
             print(n, name, f"{rows[-1]['ms']:.1f} ms", f"{rows[-1]['vs_sdpa']:.1f}x sdpa", flush=True)
-    info["load_after"] = os.getloadavg()
-    info["wall_s"] = time.time() - t_start
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
     lines = ["# The content connection's time, piece by piece (CPU)", "",
              f"Machine: {info['cpu']} ({info['cores']} cores, shared with other jobs), torch {info['torch']}, "
              f"{info['threads']} threads, float32. Batch 2, 2 heads of dimension 64, metric rank 2 (key side), "
-             "causal, forward + backward; medians over "
-             f"{info['reps']} interleaved rounds, ratios within a round. Load average before: "
-             f"{', '.join(f'{x:.2f}' for x in info['load_before'])}; after: "
-             f"{', '.join(f'{x:.2f}' for x in info['load_after'])}. Wall time {info['wall_s'] / 60:.0f} min. "
+             f"causal, forward + backward; medians over {info['reps']} interleaved rounds, ratios within a "
+             "round. LOAD "
              f"Command: `{info['command']}`.", "",
              "| n | what | ms | / sdpa | / kernel |", "|---:|:---|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['n']} | {r['what']} | {r['ms']:.1f} | {r['vs_sdpa']:.1f} | {r['vs_kernel']:.2f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    finish(info, t_start, None, {})  # the load after and the wall time, for the header
+    lines[2] = lines[2].replace("LOAD", load_text(info))
+    finish(info, t_start, args.out, {"machine": info, "rows": rows}, lines)
     print("\n".join(lines))
 
 

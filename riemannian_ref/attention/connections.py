@@ -216,13 +216,8 @@ def _cumulative_angles(rates: Tensor | None, positions: Tensor | None, query: Te
     significant digits (float16 spaces 2048 and 2049 by 2), so the phases, and
     the rotations built from them, are computed in float32 for half inputs.
     """
-    n, d = query.shape[-2], query.shape[-1]
-    if rates is None:
-        raise ValueError("connection='cumulative' needs rates: the per-token rates omega_t, shape [..., n, d/2]")
-    if rates.dim() < 2 or rates.shape[-2:] != (n, d // 2):
-        raise ValueError(f"rates for the cumulative connection must have shape [..., n, d/2] = "
-                         f"[..., {n}, {d // 2}], got {shape_str(rates)}")
-    broadcast_batch({"rates.shape[:-2]": rates.shape[:-2], "query.shape[:-2]": query.shape[:-2]})
+    n = query.shape[-2]
+    _check_rates(rates, query, "cumulative")
     wide = torch.promote_types(query.dtype, torch.float32)
     rates = rates.to(wide)
     p = _positions(positions, n, rates)
@@ -461,7 +456,7 @@ def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k
         up = (lambda t: t.float() if isinstance(t, Tensor) and t.is_floating_point() else t) \
             if q.dtype in (torch.float16, torch.bfloat16) else (lambda t: t)  # noqa: E731
         scale_f = (1.0 / math.sqrt(q.shape[-1])) if scale is None else float(scale)
-        _check_content_rates(rates, q)
+        _check_rates(rates, q)
         out = content_attention(up(q), up(k), up(v), up(attn_mask), is_causal, scale_f, up(U_q), up(U_k), up(lam),
                                 metric_side, scores, up(rates), up(p), transport_values, rule)
         return out.to(q.dtype)
@@ -491,12 +486,13 @@ def _fused_ok(q: Tensor, attn_mask, dropout_p: float, return_weights: bool) -> b
     return available(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
-def _check_content_rates(rates, q: Tensor) -> None:
+def _check_rates(rates, q: Tensor, which: str = "content") -> None:
+    """Per-token rates [..., n, d/2] broadcasting against the queries' batch, or ValueError naming ``rates``."""
     n, d = q.shape[-2], q.shape[-1]
     if rates is None:
-        raise ValueError("a content connection needs rates: the per-token rates omega_j, shape [..., n, d/2]")
+        raise ValueError(f"a {which} connection needs rates: the per-token rates omega, shape [..., n, d/2]")
     if rates.dim() < 2 or rates.shape[-2:] != (n, d // 2):
-        raise ValueError(f"rates for the content connection must have shape [..., n, d/2] = [..., {n}, {d // 2}], "
+        raise ValueError(f"rates for the {which} connection must have shape [..., n, d/2] = [..., {n}, {d // 2}], "
                          f"got {shape_str(rates)}")
     broadcast_batch({"rates.shape[:-2]": rates.shape[:-2], "query.shape[:-2]": q.shape[:-2]})
 
@@ -513,7 +509,7 @@ def _content_attention_f32(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q,
     transported keys :math:`P k_j` themselves.
     """
     n, d = q.shape[-2], q.shape[-1]
-    _check_content_rates(rates, q)
+    _check_rates(rates, q)
     scale_f = (1.0 / math.sqrt(d)) if scale is None else float(scale)
     phi = transport_angles(rates, p, rule)  # angle of P_{j->i}              (..., n_i, n_j, d/2)
     # P_{j->i}^T q_i, P_{j->i} k_j (a query-side metric only), P_{j->i} v_j (transported values)  (..., n_i, n_j, d)
