@@ -610,6 +610,16 @@ def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k
     """:func:`_content_attention_f32` in float32 at least: half-precision inputs (autocast) are upcast, as the
     operator does, since the expanded distance and the complex rotations need the precision; the result
     comes back in the input dtype."""
+    from .functional import _FORCED_BACKEND
+
+    if q.device.type == "cuda" or _FORCED_BACKEND == "triton":  # the Triton kernels (_triton_content.dispatch)
+        from . import _triton_content
+
+        if _triton_content.dispatch(q, attn_mask, dropout_p, return_weights, U_q, metric_side, scores):
+            _check_content_rates(rates, q)
+            return _triton_content.content_attention_triton(
+                q, k, v, attn_mask, is_causal, (1.0 / math.sqrt(q.shape[-1])) if scale is None else float(scale),
+                U_q, U_k, lam, metric_side, scores, rates, p, transport_values, rule)
     if _fused_ok(q, attn_mask, dropout_p, return_weights):
         from ._content_cpu import content_attention
 
