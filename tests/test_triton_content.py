@@ -117,7 +117,7 @@ def test_outputs_and_gradients_match_the_dense_path(gen, monkeypatch, scores, tv
 def test_mean_side_shared_metric_broadcasting_and_no_factors(gen, monkeypatch):
     """metric_side="mean" without query factors (the key term weighs 1/2), a metric shared by the tokens,
     rates shared by the batch, positions per sequence, a scalar-per-head lam; then G = lam I (no factors)."""
-    x = make(gen, B=2, d=6, shared=True)
+    x = make(gen, B=2, shared=True)
     x["rates"] = x["rates"][:1]
     pos = torch.stack([torch.arange(N, dtype=torch.float64), torch.arange(N, dtype=torch.float64) + 3.0])
     check(monkeypatch, x, metric_side="mean", positions=pos.view(2, 1, N))
@@ -142,9 +142,9 @@ def test_bool_masks_and_rows_that_see_no_key(gen, monkeypatch):
 
 def test_finfo_min_float_masks(gen, monkeypatch):
     """An additive mask with torch.finfo(float32).min (transformers' convention), one row entirely: that row
-    averages every value (untransported here) (the scores round away next to the mask, as in SDPA and the dense path), with the
-    dense path's gradients; a row of -inf gives 0. The row's maximum and sum are kept, not its log-sum-exp,
-    which keeps no digit of log(sum) next to -3.4e38."""
+    averages the values it sees (untransported here: every value; the scores round away next to the mask, as
+    in SDPA and the dense path), with the dense path's gradients; a row of -inf gives 0. The row's maximum and
+    sum are kept, not its log-sum-exp, which keeps no digit of log(sum) next to -3.4e38."""
     x = make(gen, r=2)
     low = torch.finfo(torch.float32).min
     bias = torch.randn(1, 1, N, N, generator=gen, dtype=torch.float64)
@@ -217,3 +217,31 @@ def test_dispatch_and_refusals(gen, monkeypatch):
         torch.autograd.grad(out.sum(), qq, create_graph=True)
     with pytest.raises(ValueError, match="block_sizes for the Triton kernels"):
         TC._check_blocks((16, 24))
+
+
+def test_compiled_fullgraph_keeps_the_kernels_as_one_op(gen):
+    """torch.compile(fullgraph=True) traces the kernels as the custom op riemannian_ref::triton_content_attention
+    (what a compiled model on CUDA runs), forward and backward equal to the eager kernels."""
+    x = {k: t.float() for k, t in make(gen, r=1).items()}
+    keep = torch.ones(1, 1, 1, N, dtype=torch.bool)
+    keep[..., :2] = False
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([str(node.target) for node in gm.graph.nodes if node.op == "call_function"])
+        return gm.forward
+
+    def attend(q, k, v, U_k, rates, lam):
+        return rr.connection_attention(q, k, v, keep, is_causal=True, U_k=U_k, lam=lam, connection="content",
+                                       rates=rates)
+
+    compiled = torch.compile(attend, fullgraph=True, backend=record)
+    res = {}
+    for name, fn in (("compiled", compiled), ("eager", attend)):
+        leaves = [x[k].clone().requires_grad_() for k in NAMES]
+        with functional._force_backend("triton"):
+            out = fn(*leaves)
+        res[name] = (out, *torch.autograd.grad(out.square().sum(), leaves))
+    assert any("riemannian_ref.triton_content_attention.default" in g for g in graphs)
+    for c, e in zip(res["compiled"], res["eager"]):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)  # the same kernels

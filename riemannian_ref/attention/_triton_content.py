@@ -35,18 +35,19 @@ runtime loop): it loads pair ``m`` of the query block, of the key block's
 ``1 + r`` vectors :math:`W_{jt}` and the rates, computes the angles and their
 cosines and sines, and accumulates :math:`x_0` (a ``[BM, BN]`` tile) and the
 rank products (a ``[BM, R, BN]`` tile, ``R`` the rank rounded up to a power
-of two). Key-side arrays are stored with the tokens innermost
+of two). The per-token arrays the pair loops read (queries, keys, factors,
+transported values, rates) are stored with the tokens innermost
 (``[B, d, n]``), so the loads of one pair's column are contiguous.
 
 - Forward, one program per (batch element, query block): per key block the
   scores (pair loop), the online softmax in base e (running maximum and
   sum), then a second pair loop that recomputes the angles and accumulates
-  the transported values (real and imaginary parts as ``[BM, H]`` tiles, the
+  the transported values (real and imaginary parts as ``[BM, d/2]`` tiles, the
   column of pair ``m`` updated through a one-hot mask), or one ``tl.dot``
   with the value block. Two evaluations of the angles per tile. The row
   maximum and the inverse row sum are stored (float32, ``[B, n]``), not the
   log-sum-exp: next to a mask of ``finfo.min`` the log-sum-exp keeps no
-  digit of log(sum), and these two recover the weights exactly.
+  digit of log(sum), and these two give back the forward's weights.
 - Backward, :math:`D_i = dO_i \cdot o_i` on the host, then one program per
   (batch element, key block) for :math:`dk`, :math:`dU_k`, :math:`dv`, the
   key's rate, :math:`d|k|^2` and :math:`dc`, and one per (batch element,
@@ -61,23 +62,32 @@ Supported: dot or metric scores with a key-side metric of any rank (per
 token or shared; a shared one is expanded per token, :math:`O(n d r)`),
 ``metric_side="key"`` or ``"mean"`` without query factors, transported values
 or not, both rules, causal (key blocks past the diagonal skipped), an additive
-float mask ``[..., 1|n, n]`` without grad or a boolean one (converted), fully
+float mask broadcastable to ``[..., n, n]`` without grad (stored as
+``[Bm, 1|n, n]``, read through a mask row per batch element, never expanded
+to the batch) or a boolean one (converted), fully
 masked rows giving zero output and zero gradients (SDPA's behaviour), float32,
 float16 and bfloat16 inputs (computed in float32, returned in the input
 dtype). Not here, so the dense path runs them: query-side metric factors
 (``metric_side="query"`` or ``"mean"`` with ``U_q``), dropout, returned
-weights, float64, a mask that requires grad, ``torch.compile`` tracing, double
-backward (raises).
+weights, float64, a mask that requires grad; double backward raises. While
+``torch.compile`` traces, the kernels are the custom ops
+``riemannian_ref::triton_content_attention`` and its backward (one node each
+in the graph), as in ``_triton.py``; eager calls run the same code through
+the autograd Function.
 
 Tested only in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``
-set before ``triton`` is first imported); never run or timed on a GPU, and
-the default block sizes are a guess.
+set before ``triton`` is first imported), where the kernels' helper functions
+run as plain Python (see :func:`_helper`); compiled for sm_80 and sm_90 with
+the ``ptxas`` that ships with triton
+(``benchmarks/check_triton_content_compile.py``), but never run or timed on a
+GPU (none was lent), so the default block sizes are a guess.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import os
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -120,8 +130,6 @@ def unsupported_reason(q: Tensor, attn_mask, dropout_p: float, return_weights: b
         return "query-side metric factors (metric_side='query' or 'mean' with U_q)"
     if isinstance(attn_mask, Tensor) and attn_mask.requires_grad:
         return "an attn_mask that requires grad (its gradient is not computed by the kernels)"
-    if torch.compiler.is_compiling():
-        return "torch.compile tracing (the kernels are not registered as custom ops)"
     if q.device.type != "cuda" and not interpreted():
         return "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported)"
     return None
@@ -235,8 +243,8 @@ def content_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     flags = (CAUSAL if is_causal else 0) | (SOURCE if rule == "source" else 0) | (DOT if dot else 0) | \
         (TV if transport_values else 0)
     blocks = default_blocks(d) if blocks is None else _check_blocks(blocks)
-    out = _ContentTritonFn.apply(qT, kT, UkT, cK, VX, ratesT, pos, lamf, qq, kk, mflat, mids, float(scale), w,
-                                 flags, blocks)
+    fn = _TracedContentFn if torch.compiler.is_compiling() else _ContentTritonFn
+    out = fn.apply(qT, kT, UkT, cK, VX, ratesT, pos, lamf, qq, kk, mflat, mids, float(scale), w, flags, blocks)
     return out.view(*batch, n, out.shape[-1]).to(dtype)
 
 
@@ -327,8 +335,94 @@ class _ContentTritonFn(torch.autograd.Function):
                 *common, dkT, some(dUkT), some(dcK), dVX, drj, some(dkk), *a["sizes"], a["scale"], a["w"],
                 **a["const"])
         dratesT = drj if dri is None else drj + dri.transpose(1, 2)
-        return (dq.transpose(1, 2), dkT, dUkT, dcK, dVX, dratesT, None, dlam.sum(-1), dqq, dkk,
+        return (dq.transpose(1, 2).contiguous(), dkT, dUkT, dcK, dVX, dratesT, None, dlam.sum(-1), dqq, dkk,
                 None, None, None, None, None, None)
+
+
+# --------------------------------------------------------------- the kernels as custom ops, for torch.compile
+# Traced code (torch.compile, torch.export) calls the kernels through these ops, which the graph records as
+# single nodes (fake implementations give the shapes, the autograd formula calls the backward op), as
+# _triton.py does for riemannian_attention; eager calls use _ContentTritonFn itself. Same code either way.
+_GRADS = ("qT", "kT", "UkT", "cK", "VX", "ratesT", "lam", "qq", "kk")  # what the backward op returns
+
+
+@torch.library.custom_op("riemannian_ref::triton_content_attention", mutates_args=())
+def _content_op(qT: Tensor, kT: Tensor, UkT: Optional[Tensor], cK: Optional[Tensor], VX: Tensor, ratesT: Tensor,
+                pos: Tensor, lam: Tensor, qq: Optional[Tensor], kk: Optional[Tensor], mask: Optional[Tensor],
+                mask_ids: Optional[Tensor], scale: float, w: float, flags: int,
+                blocks: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernels' forward: (output [B, n, dv], row maximum [B, n], inverse row sum [B, n]), float32."""
+    from ._op import _Ctx
+
+    ctx = _Ctx()
+    out = _ContentTritonFn.forward(ctx, qT, kT, UkT, cK, VX, ratesT, pos, lam, qq, kk, mask, mask_ids, scale, w,
+                                   flags, tuple(blocks))
+    return out, ctx.saved_tensors[13], ctx.saved_tensors[14]
+
+
+@_content_op.register_fake
+def _content_op_fake(qT, kT, UkT, cK, VX, ratesT, pos, lam, qq, kk, mask, mask_ids, scale, w, flags, blocks):
+    B, d, n = qT.shape
+    dv = d if flags & TV else VX.shape[2]
+    return qT.new_empty(B, n, dv), qT.new_empty(B, n), qT.new_empty(B, n)
+
+
+@torch.library.custom_op("riemannian_ref::triton_content_attention_backward", mutates_args=())
+def _content_op_backward(dout: Tensor, qT: Tensor, kT: Tensor, UkT: Optional[Tensor], cK: Optional[Tensor],
+                         VX: Tensor, ratesT: Tensor, pos: Tensor, lam: Tensor, qq: Optional[Tensor],
+                         kk: Optional[Tensor], mask: Optional[Tensor], mask_ids: Optional[Tensor], out: Tensor,
+                         mrow: Tensor, il: Tensor, scale: float, w: float, flags: int,
+                         blocks: Sequence[int]) -> list[Tensor]:
+    """The gradients of ``_GRADS``; an empty tensor where there is none."""
+    from ._op import _Ctx
+
+    ctx = _Ctx((qT, kT, UkT, cK, VX, ratesT, pos, lam, qq, kk, mask, mask_ids, out, mrow, il),
+               (scale, w, flags, tuple(blocks)))
+    with torch.no_grad():
+        g = _ContentTritonFn.backward(ctx, dout)
+    grads = (*g[:6], *g[7:10])
+    return [t if t is not None else qT.new_empty(0) for t in grads]
+
+
+@_content_op_backward.register_fake
+def _content_op_backward_fake(dout, qT, kT, UkT, cK, VX, ratesT, pos, lam, qq, kk, mask, mask_ids, out, mrow, il,
+                              scale, w, flags, blocks):
+    return [torch.empty_like(t) if t is not None else qT.new_empty(0)
+            for t in (qT, kT, UkT, cK, VX, ratesT, lam, qq, kk)]
+
+
+def _content_setup_context(ctx, inputs, output):
+    qT, kT, UkT, cK, VX, ratesT, pos, lam, qq, kk, mask, mask_ids, scale, w, flags, blocks = inputs
+    out, mrow, il = output
+    ctx.save_for_backward(qT, kT, UkT, cK, VX, ratesT, pos, lam, qq, kk, mask, mask_ids, out, mrow, il)
+    ctx.consts = (scale, w, flags, tuple(blocks))
+    ctx.mark_non_differentiable(mrow, il)
+
+
+def _content_backward(ctx, dout, dmrow, dil):
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "connection_attention: the content-connection Triton kernels have no double backward "
+            "(create_graph=True); set RR_DISABLE_TRITON=1 to run the dense path, which has one")
+    saved = ctx.saved_tensors
+    scale, w, flags, blocks = ctx.consts
+    g = _content_op_backward(dout, *saved, scale, w, flags, list(blocks))
+    present = [t is not None for t in (saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], saved[7],
+                                       saved[8], saved[9])]
+    g = [t if p else None for t, p in zip(g, present)]
+    return (*g[:6], None, *g[6:], None, None, None, None, None, None)
+
+
+_content_op.register_autograd(_content_backward, setup_context=_content_setup_context)
+
+
+class _TracedContentFn:
+    """``_ContentTritonFn`` for a trace: ``apply`` takes the same arguments and calls the custom op."""
+
+    @staticmethod
+    def apply(qT, kT, UkT, cK, VX, ratesT, pos, lam, qq, kk, mask, mask_ids, scale, w, flags, blocks) -> Tensor:
+        return _content_op(qT, kT, UkT, cK, VX, ratesT, pos, lam, qq, kk, mask, mask_ids, scale, w, flags,
+                           list(blocks))[0]
 
 
 def _kernel_args(qT, UkT, VX, qq, kk, cK, mask, mask_ids, scale, w, flags, blocks):

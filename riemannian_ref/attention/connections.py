@@ -49,7 +49,7 @@ For the flat connection every fibre object can be moved to one common frame
 attention costs :math:`O(n d)` extra; for the content connections the angle
 couples the pair, and the transport costs :math:`O(n^2 d)` elementwise, the
 same order as the scores (on CPU a fused kernel computes it with
-:math:`O(n d)` memory).
+:math:`O(n d)` memory, on CUDA Triton kernels).
 
 The diagnostics of a connection (holonomy, transport closure, metric
 compatibility) live beside the other measurements, in
@@ -413,13 +413,26 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     the CPU's vector width. It is compiled on first use with the system C
     compiler (about two seconds, cached per user; ``RR_DISABLE_CKERNEL=1``
     turns it off). Dropout, ``return_weights``, a mask that requires grad,
-    ``torch.compile`` tracing, CUDA tensors and a machine without a C compiler
-    take the dense path, the readable reference: it turns the queries (and
-    the values; the keys too for a query-side metric) pair by pair as complex
-    products and keeps the angles for its backward, about 1.5 to 3.5
+    ``torch.compile`` tracing, a machine without a C compiler and CUDA
+    tensors without ``triton`` take the dense path, the readable reference:
+    it turns the queries (and the values; the keys too for a query-side
+    metric) pair by pair as complex products and keeps the angles for its
+    backward, about 1.5 to 3.5
     ``[..., n, n, d]`` tensors (batch 8, 4 heads, n = 256, d = 16 in float32
     is 128 MiB each), never a ``[n, n, d, d]`` one. The fused kernel has no
     double backward (it raises, naming the switch to the dense path).
+
+    On CUDA, with ``triton`` installed, the content connections run on Triton
+    kernels (private, ``attention/_triton_content.py``) that compute the
+    scores and the transported values in tiles, recomputing each tile's
+    angles in the backward: memory :math:`O(n d r)`, nothing pairwise
+    stored, causal key blocks past the diagonal skipped, half-precision
+    inputs computed in float32; also while ``torch.compile`` traces (as
+    custom ops). Query-side metric factors (``metric_side="query"``, or
+    ``"mean"`` with ``U_q``), dropout, ``return_weights``, float64, a mask
+    that requires grad and ``RR_DISABLE_TRITON=1`` take the dense path there.
+    These kernels are tested against the dense path in Triton's interpreter
+    on CPU only: they were never run or timed on a GPU (none was available).
     """
     ac = autocast_dtype(query.device.type) if isinstance(query, Tensor) else None
     if ac is not None and query.dtype != torch.float64:  # autocast leaves float64 alone, as it does for SDPA
