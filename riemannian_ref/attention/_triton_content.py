@@ -236,7 +236,7 @@ def content_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     VX = vf.transpose(1, 2).contiguous() if transport_values else vf.contiguous()  # [B, d, n] or [B, n, dv]
     ratesT = flat(rates, 2).transpose(1, 2).contiguous()  # [B, d/2, n]
     pos = p.detach().to(torch.float32).expand(*batch, n).reshape(B, n).contiguous()
-    lamf = lam_t.expand(batch).reshape(B).contiguous()
+    lamf = lam_t.expand(batch).reshape(B).to(torch.float32).contiguous()
     qq = None if dot else (qf * qf).sum(-1).contiguous()
     kk = None if dot else (kf * kf).sum(-1).contiguous()
     mflat, mids = _flat_mask(mask, batch, is_causal, n, q.device) if mask is not None else (None, None)
@@ -448,7 +448,9 @@ def _helper(fn):
     """A device function of the kernels: ``triton.jit``, except in Triton's interpreter, where the plain
     function runs (the same code on the same interpreted tensors; the interpreter re-patches
     triton.language on every call of a jit function, about a millisecond, which would dominate the tests)."""
-    return fn if triton.knobs.runtime.interpret else triton.jit(fn)
+    knobs = getattr(triton, "knobs", None)  # newer triton; older versions test the variable as below
+    interpret = knobs.runtime.interpret if knobs is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return fn if interpret else triton.jit(fn)
 
 
 if HAS_TRITON:
