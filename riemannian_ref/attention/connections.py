@@ -4,12 +4,14 @@ The connections themselves (what :math:`P_{j\to i}` is for ``"trivial"``,
 ``"flat"``, ``"content"``, ``"content_source"`` and ``"cumulative"``, their
 rates, angles and phases) are geometry, in
 :mod:`riemannian_ref.geometry.transport`; this module attends along them
-(:func:`connection_attention`) and picks the route. For the flat and cumulative connections every fibre object can be moved to
+(:func:`connection_attention`) and picks the route.
+
+For the flat and cumulative connections every fibre object can be moved to
 one common frame (rotate each by :math:`R^\top` of its own token), which is
 why rotary attention costs :math:`O(n d)` extra; for the content connections
 the angle couples the pair, and the transport costs :math:`O(n^2 d)`
 elementwise, the same order as the scores (on CPU a fused kernel computes it
-with :math:`O(n d)` memory).
+with :math:`O(n d)` memory, on CUDA Triton kernels).
 
 The names of :mod:`riemannian_ref.geometry.transport` are importable from
 here too, as before the split.
@@ -135,13 +137,26 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     the CPU's vector width. It is compiled on first use with the system C
     compiler (about two seconds, cached per user; ``RR_DISABLE_CKERNEL=1``
     turns it off). Dropout, ``return_weights``, a mask that requires grad,
-    ``torch.compile`` tracing, CUDA tensors and a machine without a C compiler
-    take the dense path, the readable reference: it turns the queries (and
-    the values; the keys too for a query-side metric) pair by pair as complex
-    products and keeps the angles for its backward, about 1.5 to 3.5
+    ``torch.compile`` tracing, a machine without a C compiler and CUDA
+    tensors without ``triton`` take the dense path, the readable reference:
+    it turns the queries (and the values; the keys too for a query-side
+    metric) pair by pair as complex products and keeps the angles for its
+    backward, about 1.5 to 3.5
     ``[..., n, n, d]`` tensors (batch 8, 4 heads, n = 256, d = 16 in float32
     is 128 MiB each), never a ``[n, n, d, d]`` one. The fused kernel has no
     double backward (it raises, naming the switch to the dense path).
+
+    On CUDA, with ``triton`` installed, the content connections run on Triton
+    kernels (private, ``attention/_triton_content.py``) that compute the
+    scores and the transported values in tiles, recomputing each tile's
+    angles in the backward: memory :math:`O(n d r)`, nothing pairwise
+    stored, causal key blocks past the diagonal skipped, half-precision
+    inputs computed in float32; also while ``torch.compile`` traces (as
+    custom ops). Query-side metric factors (``metric_side="query"``, or
+    ``"mean"`` with ``U_q``), dropout, ``return_weights``, float64, a mask
+    that requires grad and ``RR_DISABLE_TRITON=1`` take the dense path there.
+    These kernels are tested against the dense path in Triton's interpreter
+    on CPU only: they were never run or timed on a GPU (none was available).
     """
     ac = autocast_dtype(query.device.type) if isinstance(query, Tensor) else None
     if ac is not None and query.dtype != torch.float64:  # autocast leaves float64 alone, as it does for SDPA
@@ -450,6 +465,16 @@ def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k
     """:func:`_content_attention_f32` in float32 at least: half-precision inputs (autocast) are upcast, as the
     operator does, since the expanded distance and the complex rotations need the precision; the result
     comes back in the input dtype."""
+    from .functional import _FORCED_BACKEND
+
+    if q.device.type == "cuda" or _FORCED_BACKEND == "triton":  # the Triton kernels (_triton_content.dispatch)
+        from . import _triton_content
+
+        if _triton_content.dispatch(q, attn_mask, dropout_p, return_weights, U_q, metric_side, scores):
+            _check_content_rates(rates, q)
+            return _triton_content.content_attention_triton(
+                q, k, v, attn_mask, is_causal, (1.0 / math.sqrt(q.shape[-1])) if scale is None else float(scale),
+                U_q, U_k, lam, metric_side, scores, rates, p, transport_values, rule)
     if _fused_ok(q, attn_mask, dropout_p, return_weights):
         from ._content_cpu import content_attention
 

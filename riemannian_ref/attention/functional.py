@@ -727,6 +727,8 @@ def _force_backend(name: str):
     kernels do not support raises ``RuntimeError`` saying why (dropout, a
     float64 call, a float mask that requires grad, ...) instead of taking
     another backend. The call is validated exactly as without the block.
+    The content connections of ``connection_attention`` go to their own
+    kernels (``_triton_content``) the same way.
     Not thread-safe: it sets a module-level flag for the duration of the block.
     """
     global _FORCED_BACKEND
