@@ -197,3 +197,16 @@ def test_without_a_compiler_the_dense_path_runs(gen, monkeypatch, tmp_path):
     assert not _content_cpu.available(torch.float64)
     assert "failed" in _content_cpu.unavailable_reason() or "no-such-cc" in _content_cpu.unavailable_reason()
     torch.testing.assert_close(_call(x, "key", "metric", True, "content", True, None), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_keep_exact_positions(gen, dtype):
+    """bfloat16 holds the integers exactly only up to 256: positions are built in float32 for half inputs."""
+    n = 300
+    x = {k: v.detach() for k, v in _inputs(gen, B=1, h=1, n=n, d=4, r=1, dtype=torch.float32).items()}
+    half = {k: v.to(dtype) for k, v in x.items()}
+    ref = _call({k: v.to(dtype).float() for k, v in x.items()}, "key", "metric", True, "content", True, None)
+    out = _call(half, "key", "metric", True, "content", True, None)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=4 * torch.finfo(dtype).eps * ref.abs().max().item(),
+                               rtol=0)

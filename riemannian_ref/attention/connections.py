@@ -219,6 +219,8 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         if transport_values:
             out = rotate_pairs(out, ang)  # back to fibre i: R_i o_i
         return (out, A) if return_weights else out
+    if query.dtype in (torch.float16, torch.bfloat16):  # positions in float32: bfloat16 spaces 256, 258, ...
+        p = _positions(positions, n, query.new_empty((), dtype=torch.float32))
     return _content_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
                               metric_side, scores, rates, p, transport_values, return_weights,
                               edge_rule(connection))
@@ -471,7 +473,7 @@ def _content_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k
         from . import _triton_content
 
         if _triton_content.dispatch(q, attn_mask, dropout_p, return_weights, U_q, metric_side, scores):
-            _check_content_rates(rates, q)
+            _check_rates(rates, q)
             return _triton_content.content_attention_triton(
                 q, k, v, attn_mask, is_causal, (1.0 / math.sqrt(q.shape[-1])) if scale is None else float(scale),
                 U_q, U_k, lam, metric_side, scores, rates, p, transport_values, rule)
