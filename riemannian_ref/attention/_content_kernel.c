@@ -403,12 +403,14 @@ int rr_content_forward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H,
                 }
                 for (int64_t m = 0; m < 2 * H; m++) o[m] = vsum(acc[m]);
             } else {
-                for (int64_t c = 0; c < dv; c++) {
-                    V acc = vset(0);
-                    for (int64_t j0 = 0; j0 < jv; j0 += LANES)
-                        acc += vld(w.P + j0) * vld(VTb + ((j0 / LANES) * dv + c) * LANES);
-                    o[c] = vsum(acc);
+                V *acc = w.acc; /* [dv], in L1; block by block: contiguous reads */
+                for (int64_t c = 0; c < dv; c++) acc[c] = vset(0);
+                for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
+                    const V p = vld(w.P + j0);
+                    const real *vb = VTb + (j0 / LANES) * dv * LANES;
+                    for (int64_t c = 0; c < dv; c++) acc[c] += p * vld(vb + c * LANES);
                 }
+                for (int64_t c = 0; c < dv; c++) o[c] = vsum(acc[c]);
             }
         }
     }
@@ -499,11 +501,10 @@ int rr_content_backward(int64_t b0, int64_t b1, int64_t n, int64_t np, int64_t H
                 }
             }
             if (!tv) { /* dv_j += A_ij dO_i */
-                for (int64_t c = 0; c < dv; c++) {
-                    for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
-                        real *dvc = dVTb + ((j0 / LANES) * dv + c) * LANES;
-                        vst(dvc, vld(dvc) + vld(w.P + j0) * doi[c]);
-                    }
+                for (int64_t j0 = 0; j0 < jv; j0 += LANES) {
+                    const V p = vld(w.P + j0);
+                    real *dvb = dVTb + (j0 / LANES) * dv * LANES;
+                    for (int64_t c = 0; c < dv; c++) vst(dvb + c * LANES, vld(dvb + c * LANES) + p * doi[c]);
                 }
             }
             /* accumulators over keys: dq [H][2], dUq [rq][H][2], the query's rate [H] */
