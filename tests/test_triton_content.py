@@ -245,3 +245,24 @@ def test_compiled_fullgraph_keeps_the_kernels_as_one_op(gen):
     assert any("riemannian_ref.triton_content_attention.default" in g for g in graphs)
     for c, e in zip(res["compiled"], res["eager"]):
         torch.testing.assert_close(c, e, rtol=0, atol=0)  # the same kernels
+
+
+def test_kernels_run_in_the_interpreter_when_triton_was_imported_first():
+    """triton imported before TRITON_INTERPRET=1 (another test file, a user's notebook): the kernels must not
+    call triton.language's own jit functions (tl.zeros, tl.sum), which then stay compiled for a GPU."""
+    import subprocess
+    import sys
+
+    code = ("import triton, os, torch\n"
+            "os.environ['TRITON_INTERPRET'] = '1'\n"
+            "import riemannian_ref as rr\n"
+            "from riemannian_ref.attention import _triton_content as TC, functional\n"
+            "q, k, v = (torch.randn(1, 1, 8, 4) for _ in range(3))\n"
+            "rates = torch.rand(1, 1, 8, 2, requires_grad=True)\n"
+            "with functional._force_backend('triton'):\n"
+            "    out = rr.connection_attention(q, k, v, is_causal=True, connection='content', rates=rates)\n"
+            "    out.sum().backward()\n"
+            "assert TC.interpreted() and rates.grad is not None\n")
+    env = {k_: v_ for k_, v_ in os.environ.items() if k_ != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]

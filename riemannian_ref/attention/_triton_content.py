@@ -444,20 +444,36 @@ def _kernel_args(qT, UkT, VX, qq, kk, cK, mask, mask_ids, scale, w, flags, block
                 sizes=(n, d // 2, d, rk, dv, smq, smb), scale=float(scale), w=float(w), const=const)
 
 
+_HELPERS: list = []
+
+
 def _helper(fn):
     """A device function of the kernels: ``triton.jit``, except in Triton's interpreter, where the plain
     function runs (the same code on the same interpreted tensors; the interpreter re-patches
-    triton.language on every call of a jit function, about a millisecond, which would dominate the tests)."""
-    knobs = getattr(triton, "knobs", None)  # newer triton; older versions test the variable as below
-    interpret = knobs.runtime.interpret if knobs is not None else os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return fn if interpret else triton.jit(fn)
+    triton.language on every call of a jit function, about a millisecond, which would dominate the tests).
+
+    Which of the two is decided once the kernels exist, by what ``triton.jit`` made of them
+    (:func:`_bind_helpers`): a helper must run the way its kernel does, and Triton's own switch may have
+    been read when triton was first imported, before ``TRITON_INTERPRET`` was set.
+    """
+    _HELPERS.append(fn)
+    return fn
+
+
+def _bind_helpers() -> None:
+    """Compiled kernels call jit helpers (the module globals, read when a kernel compiles); interpreted
+    kernels call the plain functions."""
+    if not interpreted():
+        for fn in _HELPERS:
+            globals()[fn.__name__] = triton.jit(fn)
 
 
 if HAS_TRITON:
     # Only builtins of triton.language and this module's jit functions (sums and maxima as tl.reduce with
-    # tl.standard's combine functions, not tl.sum/tl.max, which are jit functions defined when triton was
-    # imported): Triton's interpreter then works even if triton was imported before TRITON_INTERPRET=1 was
-    # set, as long as THIS module is imported after (the same rule as _triton.py).
+    # tl.standard's combine functions, not tl.sum/tl.max, and zeros as tl.full, not tl.zeros: those are jit
+    # functions defined when triton was imported): Triton's interpreter then works even if triton was
+    # imported before TRITON_INTERPRET=1 was set, as long as THIS module is imported after (the same rule
+    # as _triton.py).
 
     @_helper
     def _rsum(x, axis: tl.constexpr):
@@ -503,9 +519,9 @@ if HAS_TRITON:
                   BM: tl.constexpr, BN: tl.constexpr):
         """A tile's x_0 [BM, BN] and rank products x_t [BM, RK, BN] (t >= 1), and with WITH_DP the products
         dO_i . P v_j [BM, BN] of transported values: one loop over the pairs."""
-        x0 = tl.zeros((BM, BN), dtype=tl.float32)
-        xu = tl.zeros((BM, RK, BN), dtype=tl.float32)
-        dpv = tl.zeros((BM, BN), dtype=tl.float32)
+        x0 = tl.full((BM, BN), 0.0, tl.float32)
+        xu = tl.full((BM, RK, BN), 0.0, tl.float32)
+        dpv = tl.full((BM, BN), 0.0, tl.float32)
         for m in range(0, H):
             c, s = _angles(RT, b, m, H, n, offs_m, offs_n, dp, SOURCE)
             qr, qi = _turned(QT, b, m, d, n, offs_m, c, s)
@@ -582,10 +598,10 @@ if HAS_TRITON:
         if HAS_MASK:
             mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
         m_i = tl.full((BM,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BM,), dtype=tl.float32)
-        acc_re = tl.zeros((BM, HP), dtype=tl.float32)
-        acc_im = tl.zeros((BM, HP), dtype=tl.float32)
-        acc = tl.zeros((BM, BDV), dtype=tl.float32)
+        l_i = tl.full((BM,), 0.0, tl.float32)
+        acc_re = tl.full((BM, HP), 0.0, tl.float32)
+        acc_im = tl.full((BM, HP), 0.0, tl.float32)
+        acc = tl.full((BM, BDV), 0.0, tl.float32)
         hi = n
         if CAUSAL:
             hi = tl.minimum(n, m0 + BM)
@@ -655,15 +671,15 @@ if HAS_TRITON:
         mask_ptr = MASK
         if HAS_MASK:
             mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
-        do = tl.zeros((BM, BDV), dtype=tl.float32)
+        do = tl.full((BM, BDV), 0.0, tl.float32)
         if not TV:
             do = tl.load(DO + (b * n + offs_m[:, None]) * dv + offs_dv[None, :],
                          mask=rmask[:, None] & (offs_dv[None, :] < dv), other=0.0)
-        acc_qr = tl.zeros((BM, HP), dtype=tl.float32)
-        acc_qi = tl.zeros((BM, HP), dtype=tl.float32)
-        acc_w = tl.zeros((BM, HP), dtype=tl.float32)
-        dqq = tl.zeros((BM,), dtype=tl.float32)
-        dlam = tl.zeros((BM,), dtype=tl.float32)
+        acc_qr = tl.full((BM, HP), 0.0, tl.float32)
+        acc_qi = tl.full((BM, HP), 0.0, tl.float32)
+        acc_w = tl.full((BM, HP), 0.0, tl.float32)
+        dqq = tl.full((BM,), 0.0, tl.float32)
+        dlam = tl.full((BM,), 0.0, tl.float32)
         hi = n
         if CAUSAL:
             hi = tl.minimum(n, m0 + BM)
@@ -738,20 +754,20 @@ if HAS_TRITON:
         mask_ptr = MASK
         if HAS_MASK:
             mask_ptr = MASK + tl.load(MIDS + b).to(tl.int64) * smb
-        v = tl.zeros((BN, BDV), dtype=tl.float32)
+        v = tl.full((BN, BDV), 0.0, tl.float32)
         if not TV:
             v = tl.load(VX + (b * n + offs_n[:, None]) * dv + offs_dv[None, :],
                         mask=cmask[:, None] & (offs_dv[None, :] < dv), other=0.0)
-        acc_kr = tl.zeros((HP, BN), dtype=tl.float32)
-        acc_ki = tl.zeros((HP, BN), dtype=tl.float32)
-        acc_ur = tl.zeros((RK, HP, BN), dtype=tl.float32)
-        acc_ui = tl.zeros((RK, HP, BN), dtype=tl.float32)
-        acc_vr = tl.zeros((HP, BN), dtype=tl.float32)
-        acc_vi = tl.zeros((HP, BN), dtype=tl.float32)
-        acc_v = tl.zeros((BN, BDV), dtype=tl.float32)
-        acc_w = tl.zeros((HP, BN), dtype=tl.float32)
-        dkk = tl.zeros((BN,), dtype=tl.float32)
-        dck = tl.zeros((RK, BN), dtype=tl.float32)
+        acc_kr = tl.full((HP, BN), 0.0, tl.float32)
+        acc_ki = tl.full((HP, BN), 0.0, tl.float32)
+        acc_ur = tl.full((RK, HP, BN), 0.0, tl.float32)
+        acc_ui = tl.full((RK, HP, BN), 0.0, tl.float32)
+        acc_vr = tl.full((HP, BN), 0.0, tl.float32)
+        acc_vi = tl.full((HP, BN), 0.0, tl.float32)
+        acc_v = tl.full((BN, BDV), 0.0, tl.float32)
+        acc_w = tl.full((HP, BN), 0.0, tl.float32)
+        dkk = tl.full((BN,), 0.0, tl.float32)
+        dck = tl.full((RK, BN), 0.0, tl.float32)
         lo = 0
         if CAUSAL:
             lo = (n0 // BM) * BM  # query blocks before the key block's first key see none of its keys
@@ -827,3 +843,5 @@ if HAS_TRITON:
             tl.store(uptr + n, acc_ui, mask=umask)
             tl.store(DCK + (b * rk + offs_t[:, None]) * n + offs_n[None, :], dck,
                      mask=(offs_t[:, None] < rk) & cmask[None, :])
+
+    _bind_helpers()
