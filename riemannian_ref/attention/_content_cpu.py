@@ -245,6 +245,25 @@ def _pad(x: Tensor, np_: int) -> Tensor:
     return x if extra == 0 else torch.nn.functional.pad(x, (0, extra))
 
 
+def flatten_batch(q: Tensor, k: Tensor, v: Tensor, rates: Tensor, p: Tensor, lam, factors):
+    """The broadcast batch of a content-connection call, its size, a function that flattens a tensor to
+    ``[B, *tail]`` (``flat(x, tail)``) and ``lam`` as a tensor; ``factors`` are ``(U, x)`` pairs (a factor
+    and the queries or keys it goes with: per token when it has one more dimension)."""
+    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2], rates.shape[:-2], p.shape[:-1]]
+    for U, x in factors:
+        if U is not None:
+            shapes.append(U.shape[:-3] if U.dim() == x.dim() + 1 else U.shape[:-2])
+    lam_t = lam if isinstance(lam, Tensor) else torch.tensor(float(lam), dtype=q.dtype, device=q.device)
+    batch = torch.broadcast_shapes(*shapes, lam_t.shape)
+    B = math.prod(batch)
+
+    def flat(x: Tensor, tail: int) -> Tensor:
+        t = x.shape[x.dim() - tail:]
+        return x.expand(*batch, *t).reshape(B, *t)
+
+    return batch, B, flat, lam_t
+
+
 def content_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float,
                       U_q: Tensor | None, U_k: Tensor | None, lam: Tensor, metric_side: str, scores: str,
                       rates: Tensor, p: Tensor, transport_values: bool, rule: str) -> Tensor:
@@ -258,17 +277,7 @@ def content_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
     H = d // 2
     per_q = U_q is not None and U_q.dim() == q.dim() + 1
     per_k = U_k is not None and U_k.dim() == k.dim() + 1
-    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2], rates.shape[:-2], p.shape[:-1]]
-    for U, per in ((U_q, per_q), (U_k, per_k)):
-        if U is not None:
-            shapes.append(U.shape[:-3] if per else U.shape[:-2])
-    lam_t = lam if isinstance(lam, Tensor) else torch.tensor(float(lam), dtype=q.dtype, device=q.device)
-    batch = torch.broadcast_shapes(*shapes, lam_t.shape)
-    B = math.prod(batch)
-
-    def flat(x: Tensor, tail: int) -> Tensor:
-        t = x.shape[x.dim() - tail:]
-        return x.expand(*batch, *t).reshape(B, *t)
+    batch, B, flat, lam_t = flatten_batch(q, k, v, rates, p, lam, ((U_q, q), (U_k, k)))
 
     def tokens(U: Tensor, per: bool) -> Tensor:  # [B, n, d, r]
         if not per:

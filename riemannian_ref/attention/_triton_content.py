@@ -85,7 +85,6 @@ GPU (none was lent), so the default block sizes are a guess.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from typing import Optional, Sequence
 
@@ -206,21 +205,13 @@ def content_attention_triton(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | Non
     q, k, v, U_k, rates = f32(q), f32(k), f32(v), f32(U_k), f32(rates)
     lam = f32(lam)
     n, d = q.shape[-2], q.shape[-1]
-    H = d // 2
     dot = scores == "dot"
     if not dot and U_q is not None and metric_side in ("query", "mean"):
         raise ValueError("the content-connection Triton kernels take no query-side metric factors")
     per_k = U_k is not None and U_k.dim() == k.dim() + 1
-    shapes = [q.shape[:-2], k.shape[:-2], v.shape[:-2], rates.shape[:-2], p.shape[:-1]]
-    if U_k is not None:
-        shapes.append(U_k.shape[:-3] if per_k else U_k.shape[:-2])
-    lam_t = lam if isinstance(lam, Tensor) else torch.tensor(float(lam), dtype=q.dtype, device=q.device)
-    batch = torch.broadcast_shapes(*shapes, lam_t.shape)
-    B = math.prod(batch)
+    from ._content_cpu import flatten_batch  # the CPU kernel's wrapper: the same batch rule
 
-    def flat(x: Tensor, tail: int) -> Tensor:
-        t = x.shape[x.dim() - tail:]
-        return x.expand(*batch, *t).reshape(B, *t)
+    batch, B, flat, lam_t = flatten_batch(q, k, v, rates, p, lam, ((U_k, k),))
 
     use_uk = U_k is not None and U_k.shape[-1] > 0 and not dot and metric_side in ("key", "mean")
     w = 0.5 if metric_side == "mean" else 1.0
