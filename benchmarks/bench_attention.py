@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -196,9 +197,9 @@ def finish(info: dict, t_start: float, out, payload: dict, lines: list[str] | No
         return
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    atomic_write_text(out.with_suffix(".json"), json.dumps(payload, indent=1))
     if lines is not None:
-        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
 
 
 def load_text(info: dict) -> str:
@@ -295,8 +296,8 @@ def write(args, info, rows, mem, t_start):
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps({"machine": info, "time": rows, "memory": mem}, indent=1))
-        out.with_suffix(".md").write_text(to_markdown(info, rows, mem))
+        atomic_write_text(out.with_suffix(".json"), json.dumps({"machine": info, "time": rows, "memory": mem}, indent=1))
+        atomic_write_text(out.with_suffix(".md"), to_markdown(info, rows, mem))
 
 
 def to_markdown(info, rows, mem):

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 from riemannian_ref.attention import _blockwise as bw
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +199,7 @@ def main():
         print(f"{row['what']}: {row['slow_ms']:.3f} ms -> {row['fast_ms']:.3f} ms, speedup {row['speedup']:.2f}")
     if args.out:
         out = Path(args.out)
-        out.with_suffix(".json").write_text(json.dumps({"machine": info, "reps": args.reps, "rows": rows}, indent=1))
+        atomic_write_text(out.with_suffix(".json"), json.dumps({"machine": info, "reps": args.reps, "rows": rows}, indent=1))
         lines = ["# What each CPU detail of the attention operator is worth", "",
                  f"Machine: {info['cpu']} ({info['cores']} cores, shared with other jobs), torch {info['torch']}, "
                  f"float32; inputs from seed 0. Load average (1, 5, 15 min) before: "
@@ -212,7 +213,7 @@ def main():
             rr_ = row["speedup_rounds"]
             lines.append(f"| {row['what']} | {row['slow_ms']:.3f} | {row['fast_ms']:.3f} | {row['speedup']:.2f} | "
                          f"{min(rr_):.2f}-{max(rr_):.2f} |")
-        out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
         print(f"wrote {out.with_suffix('.md')} and .json")
 
 

@@ -68,7 +68,8 @@ def main(argv=None) -> dict:
           f"(target <= {res['target_extra_over_torch']:.0%})")
     print(f"heavy modules loaded by the import: {', '.join(info['loaded']) or 'none'}")
     if args.out is not None:
-        args.out.write_text(json.dumps(res, indent=1))
+        from riemannian_ref._io import atomic_write_text  # here: the parent process measures nothing
+        atomic_write_text(args.out, json.dumps(res, indent=1))
     return res
 
 

@@ -43,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 
 OPS = ("solve", "logdet", "quad")
 ROUTES = ("lowrank", "dense")
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
         **machine_info(), "rows": rows, "slopes": slopes,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
 
     info = machine_info()
     print(f"# {info['cpu']}, torch {info['torch']}, {info['threads']} thread(s), r = {args.rank}, "

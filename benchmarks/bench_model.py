@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 from riemannian_ref.attention import _content_cpu
 from riemannian_ref.models.budget import estimate_cost
 
@@ -219,7 +220,7 @@ def targets(args):
     info["load_after"] = os.getloadavg()
     info["wall_s"] = time.time() - t_start
     out = Path(args.out).with_name("bench_model_targets")
-    out.with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    atomic_write_text(out.with_suffix(".json"), json.dumps({"machine": info, "rows": rows}, indent=1))
     lines = ["# The Fiber Bundle Transformer's targets: one training step (CPU)", "",
              f"Machine: {info['cpu']} ({info['cores']} cores, shared with other jobs), torch {info['torch']}, "
              "2 threads, float32. `FiberBundleConfig(mode=..., block_size=n, d_model=128, n_heads=2, "
@@ -239,7 +240,7 @@ def targets(args):
     for r in rows:
         lines.append(f"| {r['n']} | {r['mode']} | {r['step_s']:.2f} | {f2(r['time_vs_euclidean'])} | "
                      f"{f2(r['time_vs_riemannian'])} | {r['peak_MiB']:.0f} | {f2(r['mem_vs_riemannian'])} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -334,7 +335,7 @@ def write(args, info, rows, t_start):
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows}, indent=1))
+    atomic_write_text(out.with_suffix(".json"), json.dumps({"machine": info, "rows": rows}, indent=1))
     lines = ["# Training step of the Fiber Bundle Transformer against the Euclidean model (CPU)", "",
              f"Machine: {info['cpu']} ({info['cores']} cores, shared with other jobs), torch {info['torch']}, "
              f"{info['threads']} threads, float32. `FiberBundleConfig.small(d_model=128, n_heads=2, head_dim=64)` (4 layers, metric "
@@ -362,7 +363,7 @@ def write(args, info, rows, t_start):
                      f"{x['ratio']:.2f} | {x['flop_ratio']:.2f} | {x['measured_over_predicted']:.2f} | "
                      f"{cell('attention')} | {cell('metric')} | {cell('connection')} | "
                      f"{x.get('peak_MiB', float('nan')):.0f} | {x['est_MiB']:.0f} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 from riemannian_ref.attention import functional
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,9 +220,9 @@ def write(args, info, rows, t_start) -> dict:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps({"machine": info, "rows": rows, "summary": summary},
+        atomic_write_text(out.with_suffix(".json"), json.dumps({"machine": info, "rows": rows, "summary": summary},
                                                        indent=1))
-        out.with_suffix(".md").write_text(to_markdown(info, rows, summary))
+        atomic_write_text(out.with_suffix(".md"), to_markdown(info, rows, summary))
     return summary
 
 

@@ -42,6 +42,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import riemannian_ref as rr  # noqa: E402
+from riemannian_ref._io import atomic_write_text  # noqa: E402
 from riemannian_ref.attention import functional  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -311,7 +312,7 @@ def main() -> None:
         cmd = "python benchmarks/check_triton_precision.py" + (" --quick" if a.quick else "")
         listing = "\n".join(f"- {c.name}: side {c.side}, B = {c.B}, heads {c.h}/{c.h_kv}, n = {c.n}, "
                             f"d = {c.d}, r = {c.r}" for c in cases)
-        out.write_text(
+        atomic_write_text(out, 
             "# Round-off of the Triton kernels per input dtype\n\n"
             f"Command: `{cmd}` (Triton's interpreter on CPU, torch {torch.__version__}, triton "
             f"{triton.__version__}; no GPU). Inputs drawn in "

@@ -53,6 +53,7 @@ import torch
 from tqdm.auto import tqdm
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 from riemannian_ref.protocol import Arm
 from train import ModelConfig, TaskConfig, model_config, task_data
 
@@ -162,8 +163,7 @@ def main(argv=None):
         "python": platform.python_version(), "nice": os.nice(0), "package_version": rr.__version__,
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(record, f, separators=(",", ":"))
+    atomic_write_text(a.out, json.dumps(record, separators=(",", ":")))
     for name in arm_names:
         s = res["summary"]["steps"][name]
         acc = s.get("val_acc", {}).get("mean", float("nan"))

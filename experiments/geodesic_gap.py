@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 
 F64 = torch.float64
 
@@ -83,9 +84,7 @@ def main() -> None:
         "rows": rows,
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    atomic_write_text(args.out, json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import torch
 from tqdm.auto import tqdm
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 from riemannian_ref.protocol import Arm
 
 ARMS = ("adamw", "adamw_no_qk_decay", "stiefel", "frozen")
@@ -137,8 +138,7 @@ def main(argv=None) -> None:
            "wall_s": time.perf_counter() - t0, "python": platform.python_version(),
            "command": "python experiments/grokking_stiefel.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(out, f, separators=(",", ":"))
+    atomic_write_text(a.out, json.dumps(out, separators=(",", ":")))
     for name in names:
         s = res["summary"]["steps"][name]
         st = s["steps_to_target"]

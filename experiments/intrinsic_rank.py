@@ -41,6 +41,7 @@ import torch
 from tqdm import tqdm
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 from riemannian_ref.analysis.intrinsic import FitConfig, best_rank_risk, kernel_statistic, population_risk
 from riemannian_ref.protocol import Arm
 
@@ -219,8 +220,7 @@ def main():
                        loadavg_start=load0, loadavg_end=os.getloadavg(),
                        command="python experiments/intrinsic_rank.py " + " ".join(sys.argv[1:]))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, separators=(",", ":"))
+    atomic_write_text(args.out, json.dumps(out, separators=(",", ":")))
     print(f"wrote {args.out} in {out['meta']['wall_seconds']} s")
 
 

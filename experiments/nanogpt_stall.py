@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import nanogpt_riemannian as example  # noqa: E402
+from riemannian_ref._io import atomic_write_text  # noqa: E402
 
 VARIANTS = {
     "sdpa": ["--attention", "sdpa"],
@@ -64,7 +65,7 @@ def main(argv=None) -> None:
               "wall_s": time.perf_counter() - t0, "nice": os.nice(0),
               "command": "python experiments/nanogpt_stall.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(record, separators=(",", ":")))
+    atomic_write_text(Path(a.out), json.dumps(record, separators=(",", ":")))
     print(f"wrote {a.out} in {record['wall_s'] / 60:.1f} min")
 
 

@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 
 ARCHS = {  # name: (skip, mlp, layer_norm)
     "pure": (False, False, False),
@@ -222,7 +223,7 @@ def main(argv=None) -> None:
         "command": "python experiments/rank_collapse.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "init": init, "trained": trained}, separators=(",", ":")))
+    atomic_write_text(args.out, json.dumps({"meta": meta, "init": init, "trained": trained}, separators=(",", ":")))
     print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB) in {wall:.0f} s")
 
 

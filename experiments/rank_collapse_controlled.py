@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 from riemannian_ref.analysis import (attention_entropy, collapse_bound, collapse_depth, collapse_map,
                                      linear_probe_accuracy)
 
@@ -271,7 +272,7 @@ def main(argv=None) -> None:
                    + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "calibration": calib, "sweep": sweep, "certificates": certs,
+    atomic_write_text(args.out, json.dumps({"meta": meta, "calibration": calib, "sweep": sweep, "certificates": certs,
                                     "probe": probes}, separators=(",", ":")))
     print(f"wrote {args.out} ({args.out.stat().st_size / 1024:.0f} KiB) in {wall:.0f} s", file=sys.stderr)
 

@@ -40,6 +40,7 @@ import torch
 from tqdm import tqdm
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 from riemannian_ref.protocol import Arm
 
 ARMS = ("adamw", "embedded", "factored", "stiefel")
@@ -113,8 +114,7 @@ def main(argv=None) -> None:
            "python": platform.python_version(),
            "command": "python experiments/rank_factored.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(out, f, separators=(",", ":"))
+    atomic_write_text(a.out, json.dumps(out, separators=(",", ":")))
     for n in names:
         s = res["summary"]["steps"][n]
         print(f"{n:9s} lr {res['tuned'][n]['lr']:.0e} val loss {s['val_loss']['mean']:.4f} +- {s['val_loss']['sd']:.4f}")

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import riemannian_ref as rr
+from riemannian_ref._io import atomic_write_text
 
 MODES = rr.models.MODES
 
@@ -239,8 +240,7 @@ def main(argv=None) -> dict:
         }
         if rank == 0:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            with open(out, "w") as f:
-                json.dump(record, f, indent=1)
+            atomic_write_text(out, json.dumps(record, indent=1))
             print(f"{tag}: val_loss {res.final['val_loss']:.4f} val_acc {res.final['val_accuracy']:.4f} "
                   f"({res.n_params} params, {res.tokens_per_s:.0f} tok/s, world {world}) -> {out}")
         return record
