@@ -268,10 +268,13 @@ class FiberBundleTransformer(nn.Module):
         _pos_int(diagnostic_samples, "diagnostic_samples")
         x = self._embed(idx, embeds)
         hidden, weights = [x], []
-        for blk in self.blocks:
-            x, A = blk(x, key_mask=key_mask, return_weights=return_weights)
-            hidden.append(x)
-            weights.append(A)
+        try:
+            for blk in self.blocks:
+                x, A = blk(x, key_mask=key_mask, return_weights=return_weights)
+                hidden.append(x)
+                weights.append(A)
+        except torch.linalg.LinAlgError as exc:  # a Cholesky of a metric: positive definite unless not finite
+            raise self._solve_error(hidden[0]) from exc
         logits = loss = None
         if self.lm_head is not None:
             logits = self.lm_head(self.ln_f(x))  # (B, n, out_dim)
@@ -284,6 +287,20 @@ class FiberBundleTransformer(nn.Module):
         diag = self._diagnostics(H, diagnostic_samples) if return_diagnostics else None
         return FiberBundleOutput(logits, loss, H if return_hidden else None,
                                  torch.stack(weights) if return_weights else None, diag)
+
+    @torch.no_grad()
+    def _solve_error(self, x: Tensor) -> FloatingPointError:
+        """Why a metric's Cholesky failed: the non-finite parameters, else the input ``x`` (embedded).
+
+        Checked only after the failure, so the forward pass has no extra host sync.
+        """
+        where = "a metric's Cholesky factorisation failed in the forward pass"
+        bad = [k for k, p in self.named_parameters() if not bool(p.isfinite().all())]
+        if bad:
+            return FloatingPointError(f"{where}: parameters not finite: {', '.join(bad)}")
+        if not bool(x.isfinite().all()):
+            return FloatingPointError(f"{where}: the input (embeds) is not finite")
+        return FloatingPointError(f"{where}, with finite parameters and input: the activations overflowed")
 
     def _check_targets(self, targets, shape) -> None:
         K = self.config.out_dim
