@@ -127,6 +127,7 @@ def test_D1_a_save_killed_at_any_moment_leaves_the_old_or_the_new_file(tmp_path)
         left = [p.name for p in tmp_path.iterdir() if p.name != "model.pt"]
         assert all(n.startswith(".model.pt.") for n in left)  # at most the writer's temporary file
         outcomes.append((frac, "old" if was_old else "new", bool(left)))
+    print(f"full save {full * 1e3:.0f} ms; kills (fraction, file left, temporary left): {outcomes}")
     # not vacuous: at least one kill landed while the temporary file was being written
     assert any(o == "old" and tmp for _, o, tmp in outcomes), (full, outcomes)
 
@@ -184,7 +185,8 @@ def _v1_file(path, model, drop=tuple(V1_ADDED)):
 def test_D2_a_format_1_file_is_migrated_with_the_old_behaviour(tmp_path, gen):
     # D2: the config fields added since format 1 get the values that reproduce a model of then
     assert tmod._CONFIG_MIGRATIONS == {1: V1_ADDED}
-    for kw in (dict(mode="euclidean"), dict(mode="fiber_bundle", causal=False), dict(mode="riemannian")):
+    for kw in (dict(mode="euclidean"), dict(mode="fiber_bundle", causal=False, connection="flat"),
+               dict(mode="riemannian", metric_side="mean")):
         model = _model(**kw)
         p = tmp_path / "v1.pt"
         _v1_file(p, model)
@@ -215,6 +217,32 @@ def test_D2_a_format_1_file_is_migrated_with_the_old_behaviour(tmp_path, gen):
     q = tmp_path / "v2.pt"
     rr.FiberBundleTransformer.load(p).save(q)
     assert torch.load(q, weights_only=True)["format"].endswith("/2")
+
+
+def test_D2_a_format_1_file_with_the_content_connection_needs_its_rule_stated(tmp_path, gen):
+    # D2: connection="content" meant the source rule in 0.2.0 (today's "content_source") and the two-endpoint
+    # rule later; a format-1 file without scale_residual does not say which, so the caller must
+    torch.manual_seed(0)
+    old = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(connection="content_source")).eval()
+    p = tmp_path / "v020.pt"
+    cfg = {k: v for k, v in dataclasses.asdict(old.config).items() if k not in V1_ADDED}
+    cfg["connection"] = None  # as 0.2.0 saved the fiber_bundle default
+    torch.save({"format": V1, "config": cfg, "state_dict": old.state_dict()}, p)
+    with pytest.raises(ValueError, match="connection='content_source'") as err:
+        rr.FiberBundleTransformer.load(p)
+    assert str(p) in str(err.value) and "0.2.0" in str(err.value)
+    back = rr.FiberBundleTransformer.load(p, config=old.config)  # the rule stated: the model of 0.2.0
+    idx = torch.randint(0, 16, (B, N), generator=gen)
+    assert back.config == old.config and torch.equal(back(idx).logits, old(idx).logits)
+    q = tmp_path / "v2.pt"
+    back.save(q)  # saved again: format 2 records the rule
+    assert rr.FiberBundleTransformer.load(q).config.connection == "content_source"
+    with pytest.raises(ValueError, match="connection it was trained with"):  # not a content rule
+        rr.FiberBundleTransformer.load(p, config=old.config.replace(connection="flat"))
+    # a format-1 file that records scale_residual was written after the change: "content" is today's rule
+    new = _model()
+    _v1_file(p, new, drop=("metric_subspace",))
+    assert rr.FiberBundleTransformer.load(p).config == new.config
 
 
 def test_D2_unknown_format_versions_and_unknown_fields_are_refused(tmp_path):

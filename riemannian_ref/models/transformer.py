@@ -443,8 +443,18 @@ class FiberBundleTransformer(nn.Module):
         versions of the package) may lack the fields added since, and only
         those; they get the values that reproduce the model of then
         (``position_metric=False``, ``metric_bias=False``,
-        ``scale_residual=True``, ``metric_subspace=None``). The weights must
-        match that config exactly (names and shapes) and be finite.
+        ``scale_residual=True``, ``metric_subspace=None``). A format-1 file of
+        a model with the content connection that lacks ``scale_residual`` is
+        refused unless ``config`` names the connection's rule: version 0.2.0
+        used the rule now called ``"content_source"``. The weights must match
+        that config exactly (names and shapes) and be finite.
+
+        A file of version 0.2.0 with the content connection loads as the model
+        it was (and :meth:`save` then writes the current format) with::
+
+            saved = torch.load(path, weights_only=True)["config"]
+            cfg = FiberBundleConfig(**{**saved, "connection": "content_source"})
+            model = FiberBundleTransformer.load(path, config=cfg)
 
         Parameters
         ----------
@@ -454,7 +464,8 @@ class FiberBundleTransformer(nn.Module):
             The config the caller expects; a file with another config is
             refused, naming the fields that differ. Fields the file lacks are
             taken from it: the way to load a damaged or hand-edited file whose
-            config misses fields (then :meth:`save` it again).
+            config misses fields, or a format-1 file whose content-connection
+            rule is not recorded (then :meth:`save` it again).
         map_location : optional
             As in :func:`torch.load`.
 
@@ -473,7 +484,8 @@ class FiberBundleTransformer(nn.Module):
             parameters are named).
         """
         if not isinstance(path, (str, os.PathLike)):
-            raise ValueError(f"path must be a str or path-like naming a file written by save, got {type(path).__name__}")
+            raise ValueError(f"path must be a str or path-like naming a file written by save, got "
+                             f"{type(path).__name__}")
         if config is not None and not isinstance(config, FiberBundleConfig):
             raise ValueError(f"config must be a FiberBundleConfig or None, got {type(config).__name__}")
         name = os.fspath(path)
@@ -499,7 +511,8 @@ class FiberBundleTransformer(nn.Module):
             if not isinstance(k, str) or not isinstance(v, Tensor):
                 raise ValueError(f"{name}: the saved state_dict must map names to tensors, but entry {k!r} is "
                                  f"a {type(v).__name__}" + ("" if isinstance(k, str) else " under a non-str key"))
-        bad = [k for k, v in state.items() if (v.is_floating_point() or v.is_complex()) and not bool(v.isfinite().all())]
+        bad = [k for k, v in state.items()
+               if (v.is_floating_point() or v.is_complex()) and not bool(v.isfinite().all())]
         if bad:
             raise ValueError(f"{name}: the saved weights are not finite in {', '.join(bad)} (a diverged model; "
                              f"torch.load(path, weights_only=True) reads the file for inspection)")
@@ -535,10 +548,29 @@ def _saved_config(name: str, saved, version: int, expected: FiberBundleConfig | 
                          f"if you know the values the model was built with, load it with "
                          f"config=FiberBundleConfig(...) giving them, and save it again")
     values = {**migrated, **{k: getattr(expected, k) for k in missing}, **saved}
+    if version == 1 and "scale_residual" not in saved and _resolved_connection(values) == "content":
+        # The rule of connection="content" changed while format 1 was written: version 0.2.0 took the rates
+        # from the source token (today's "content_source"); later versions from both endpoints. Files that
+        # record scale_residual came after the change; without it, the file does not say which rule it used.
+        if expected is None or expected.connection_resolved not in ("content", "content_source"):
+            raise ValueError(
+                f"{name}: a format-1 file with the content connection that does not say which rule it used "
+                f"(version 0.2.0 took the rates from the source token, today's connection='content_source'; "
+                f"later development versions used today's 'content'); load it with config= giving the "
+                f"connection it was trained with, e.g. config=FiberBundleConfig(..., connection="
+                f"'content_source') for a file of 0.2.0 (FiberBundleTransformer.load shows how), and save it again")
+        values["connection"] = expected.connection
     try:
         return FiberBundleConfig(**values)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name}: the saved config is not valid: {exc}") from None
+
+
+def _resolved_connection(values: dict):
+    """The connection a saved config's values resolve to (as FiberBundleConfig.connection_resolved)."""
+    if values.get("connection") is not None:
+        return values["connection"]
+    return "content" if values.get("mode") == "fiber_bundle" else "trivial"
 
 
 #: The format of the files :meth:`FiberBundleTransformer.save` writes ("<prefix><version>"). Version 2
