@@ -40,8 +40,8 @@ class FiberBundleConfig:
     fits torch's 64-bit sizes: ``max(vocab_size, n_classes, block_size, W) * W
     * max(1, metric_rank, ffn_metric_rank) * (n_layers + 1) < 2**63`` with
     ``W = max(d_model * mlp_ratio, n_heads * head_dim)`` (a vocabulary of 256k,
-    a width of 16k and a million positions are far below it). Presets: :meth:`tiny`, :meth:`small`,
-    :meth:`attention_stack`, :meth:`grokking`.
+    a width of 16k and a million positions are far below it). Presets:
+    :meth:`tiny`, :meth:`small`, :meth:`attention_stack`, :meth:`grokking`.
 
     Parameters
     ----------
