@@ -26,6 +26,9 @@ __all__ = ["MODES", "FiberBundleConfig"]
 MODES = ("euclidean", "riemannian", "fiber_bundle")
 INITS = ("gpt2", "unit")
 ACTIVATIONS = ("gelu", "relu")
+_MAX_ELEMENTS = 2**63 - 1  # int64: the largest element count torch can describe
+_SIZE_FIELDS = ("vocab_size", "n_classes", "block_size", "d_model", "n_heads", "head_dim", "n_layers",
+                "mlp_ratio", "metric_rank", "ffn_metric_rank")
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,12 @@ class FiberBundleConfig:
     r"""Configuration of :class:`FiberBundleTransformer` (frozen; validated on construction).
 
     A bad value raises ``ValueError`` naming the field, the expected range and
-    the value given. Presets: :meth:`tiny`, :meth:`small`,
-    :meth:`attention_stack`, :meth:`grokking`.
+    the value given. Sizes are bounded so that every weight's element count
+    fits torch's 64-bit sizes: ``max(vocab_size, n_classes, block_size, W) * W
+    * max(1, metric_rank, ffn_metric_rank) * (n_layers + 1) < 2**63`` with
+    ``W = max(d_model * mlp_ratio, n_heads * head_dim)`` (a vocabulary of 256k,
+    a width of 16k and a million positions are far below it). Presets:
+    :meth:`tiny`, :meth:`small`, :meth:`attention_stack`, :meth:`grokking`.
 
     Parameters
     ----------
@@ -230,9 +237,26 @@ class FiberBundleConfig:
                 raise ValueError("n_classes needs tie_weights=False (the head is not the embedding)")
         if self.vocab_size is None and self.n_classes is not None:
             raise ValueError("n_classes needs a vocab_size (the model reads token ids)")
+        self._check_sizes()
         if self.precondition_ffn_resolved and not self.mlp:
             raise ValueError("precondition_ffn needs mlp=True (it preconditions the FFN update)")
         self.attention_config(0)  # validates the attention fields (raises naming the field)
+
+    def _check_sizes(self) -> None:
+        # A conservative bound on every weight's element count (rows x width x rank), times the layers:
+        # the model's tensors must be describable by int64 sizes (torch's limit), checked before any
+        # arithmetic of the model overflows. Real models are far below it (vocab 256k, width 64k, rank 64,
+        # 1M positions, 1000 layers: about 2**57).
+        width = max(self.d_model * self.mlp_ratio, self.n_heads * self.qk_dim)
+        rows = max(self.vocab_size or 0, self.n_classes or 0, self.block_size, width)
+        rank = max(1, self.metric_rank, self.ffn_metric_rank)
+        if rows * width * rank * (self.n_layers + 1) > _MAX_ELEMENTS:
+            sizes = {k: getattr(self, k) for k in _SIZE_FIELDS if getattr(self, k) is not None}
+            worst = max(sizes, key=sizes.get)
+            raise ValueError(f"{worst} = {sizes[worst]} is too large: this config's weights would exceed "
+                             f"2**63 - 1 elements, the most torch can address (bound: max(vocab_size, n_classes, "
+                             f"block_size, width) * width * max(1, metric_rank, ffn_metric_rank) * (n_layers + 1), "
+                             f"width = max(d_model * mlp_ratio, n_heads * head_dim))")
 
     # ------------------------------------------------------------ presets
     @classmethod

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from .._checks import check_bool, check_int as _pos_int, check_number as _number, check_tensor, shape_str
 from .._checks import check_values
+from .._io import atomic_write
 from ..attention._validate import autocast_dtype
 from ..attention.layer import RiemannianAttention
 from ..geometry.metric import LowRankMetric, MetricNet, SubspaceFactors
@@ -267,10 +268,13 @@ class FiberBundleTransformer(nn.Module):
         _pos_int(diagnostic_samples, "diagnostic_samples")
         x = self._embed(idx, embeds)
         hidden, weights = [x], []
-        for blk in self.blocks:
-            x, A = blk(x, key_mask=key_mask, return_weights=return_weights)
-            hidden.append(x)
-            weights.append(A)
+        try:
+            for blk in self.blocks:
+                x, A = blk(x, key_mask=key_mask, return_weights=return_weights)
+                hidden.append(x)
+                weights.append(A)
+        except torch.linalg.LinAlgError as exc:  # a Cholesky of a metric: positive definite unless not finite
+            raise self._solve_error(hidden[0]) from exc
         logits = loss = None
         if self.lm_head is not None:
             logits = self.lm_head(self.ln_f(x))  # (B, n, out_dim)
@@ -283,6 +287,20 @@ class FiberBundleTransformer(nn.Module):
         diag = self._diagnostics(H, diagnostic_samples) if return_diagnostics else None
         return FiberBundleOutput(logits, loss, H if return_hidden else None,
                                  torch.stack(weights) if return_weights else None, diag)
+
+    @torch.no_grad()
+    def _solve_error(self, x: Tensor) -> FloatingPointError:
+        """Why a metric's Cholesky failed: the non-finite parameters, else the input ``x`` (embedded).
+
+        Checked only after the failure, so the forward pass has no extra host sync.
+        """
+        where = "a metric's Cholesky factorisation failed in the forward pass"
+        bad = [k for k, p in self.named_parameters() if not bool(p.isfinite().all())]
+        if bad:
+            return FloatingPointError(f"{where}: parameters not finite: {', '.join(bad)}")
+        if not bool(x.isfinite().all()):
+            return FloatingPointError(f"{where}: the input (embeds) is not finite")
+        return FloatingPointError(f"{where}, with finite parameters and input: the activations overflowed")
 
     def _check_targets(self, targets, shape) -> None:
         K = self.config.out_dim
@@ -388,19 +406,55 @@ class FiberBundleTransformer(nn.Module):
     def save(self, path: str | os.PathLike) -> None:
         """Save the config and the weights in one file that :meth:`load` reads back safely.
 
+        The write is atomic: the file goes to a temporary file in the same
+        directory, is flushed to disk and then renamed over ``path``, so a
+        crash or kill at any moment leaves either the previous file or the new
+        one, complete (at worst a stray ``.<name>.<random>.tmp`` file next to
+        it). The file records the format version and every field of the
+        config, so :meth:`load` rebuilds the same model without relying on
+        defaults. Non-finite weights are written as they are (a diverged
+        model can be inspected), but :meth:`load` refuses them.
+
         Parameters
         ----------
         path : str or path-like
             File to write (``torch.save`` format holding only plain values and
-            tensors, so it loads with ``weights_only=True``).
+            tensors, so it loads with ``weights_only=True``); missing parent
+            directories are created.
+
+        Raises
+        ------
+        ValueError
+            Naming ``path``, before anything is written, if it is not a str or
+            path-like, is a directory, or its directory cannot take a new file.
         """
-        torch.save({"format": _FORMAT, "config": dataclasses.asdict(self.config),
-                    "state_dict": self.state_dict()}, path)
+        blob = {"format": _FORMAT, "config": dataclasses.asdict(self.config), "state_dict": self.state_dict()}
+        atomic_write(path, lambda tmp: torch.save(blob, tmp), "path")
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, config: FiberBundleConfig | None = None,
              map_location=None) -> "FiberBundleTransformer":
-        """Rebuild a model saved by :meth:`save` (no code from the file runs).
+        """Rebuild a model saved by :meth:`save`, strictly (no code from the file runs).
+
+        The file is read with ``torch.load(weights_only=True)``: only tensors
+        and plain values are unpickled, and nothing stored in it is called.
+        Its config must name every field of :class:`FiberBundleConfig` and no
+        other, so no field silently takes a default. Files of format 1 (older
+        versions of the package) may lack the fields added since, and only
+        those; they get the values that reproduce the model of then
+        (``position_metric=False``, ``metric_bias=False``,
+        ``scale_residual=True``, ``metric_subspace=None``). A format-1 file of
+        a model with the content connection that lacks ``scale_residual`` is
+        refused unless ``config`` names the connection's rule: version 0.2.0
+        used the rule now called ``"content_source"``. The weights must match
+        that config exactly (names and shapes) and be finite.
+
+        A file of version 0.2.0 with the content connection loads as the model
+        it was (and :meth:`save` then writes the current format) with::
+
+            saved = torch.load(path, weights_only=True)["config"]
+            cfg = FiberBundleConfig(**{**saved, "connection": "content_source"})
+            model = FiberBundleTransformer.load(path, config=cfg)
 
         Parameters
         ----------
@@ -408,7 +462,10 @@ class FiberBundleTransformer(nn.Module):
             A file written by :meth:`save`.
         config : FiberBundleConfig, optional
             The config the caller expects; a file with another config is
-            refused, naming the fields that differ.
+            refused, naming the fields that differ. Fields the file lacks are
+            taken from it: the way to load a damaged or hand-edited file whose
+            config misses fields, or a format-1 file whose content-connection
+            rule is not recorded (then :meth:`save` it again).
         map_location : optional
             As in :func:`torch.load`.
 
@@ -419,36 +476,116 @@ class FiberBundleTransformer(nn.Module):
         Raises
         ------
         ValueError
-            Naming the file, if it is not a saved model, its config is not
-            valid, differs from ``config``, or the weights do not match it.
+            Naming the file, if it is unreadable or not a saved model, has an
+            unknown format version, its config is not a dict of fields, lacks
+            fields (and no ``config`` supplies them), has unknown fields, is
+            not valid, or differs from ``config``, or if its weights are not a
+            dict of tensors, do not match the config, or are not finite (the
+            parameters are named).
         """
         if not isinstance(path, (str, os.PathLike)):
-            raise ValueError(f"path must be a str or path-like naming a file written by save, got {type(path).__name__}")
+            raise ValueError(f"path must be a str or path-like naming a file written by save, got "
+                             f"{type(path).__name__}")
+        if config is not None and not isinstance(config, FiberBundleConfig):
+            raise ValueError(f"config must be a FiberBundleConfig or None, got {type(config).__name__}")
+        name = os.fspath(path)
         try:
             blob = torch.load(path, map_location=map_location, weights_only=True)
         except Exception as exc:  # a damaged, foreign or unsafe file
-            raise ValueError(f"{os.fspath(path)}: not a readable riemannian_ref model file ({exc})") from None
-        if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
-            raise ValueError(f"{os.fspath(path)}: not a riemannian_ref model file (format {_FORMAT!r} expected)")
-        fields = {f.name for f in dataclasses.fields(FiberBundleConfig)}
-        saved = blob.get("config")
-        if not isinstance(saved, dict) or set(saved) - fields:
-            extra = sorted(set(saved) - fields) if isinstance(saved, dict) else saved
-            raise ValueError(f"{os.fspath(path)}: the saved config has unknown fields {extra}")
-        try:
-            saved_cfg = FiberBundleConfig(**saved)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{os.fspath(path)}: the saved config is not valid: {exc}") from None
+            raise ValueError(f"{name}: not a readable riemannian_ref model file ({exc})") from None
+        version = _format_version(blob)
+        if version is None:
+            raise ValueError(f"{name}: not a riemannian_ref model file (format {_FORMAT!r} expected)")
+        if version not in _READABLE_VERSIONS:
+            raise ValueError(f"{name}: a riemannian_ref model file of format version {version}; this version of "
+                             f"the package reads versions {list(_READABLE_VERSIONS)} (a newer package wrote it?)")
+        saved_cfg = _saved_config(name, blob.get("config"), version, config)
         if config is not None and config != saved_cfg:
             diff = [f"{k}: file {getattr(saved_cfg, k)!r}, expected {getattr(config, k)!r}"
-                    for k in sorted(fields) if getattr(saved_cfg, k) != getattr(config, k)]
-            raise ValueError(f"{os.fspath(path)}: saved with another config ({'; '.join(diff)})")
+                    for k in sorted(_CONFIG_FIELDS) if getattr(saved_cfg, k) != getattr(config, k)]
+            raise ValueError(f"{name}: saved with another config ({'; '.join(diff)})")
+        state = blob.get("state_dict")
+        if not isinstance(state, dict):
+            raise ValueError(f"{name}: the saved state_dict is a {type(state).__name__}, not a dict of tensors")
+        for k, v in state.items():
+            if not isinstance(k, str) or not isinstance(v, Tensor):
+                raise ValueError(f"{name}: the saved state_dict must map names to tensors, but entry {k!r} is "
+                                 f"a {type(v).__name__}" + ("" if isinstance(k, str) else " under a non-str key"))
+        bad = [k for k, v in state.items()
+               if (v.is_floating_point() or v.is_complex()) and not bool(v.isfinite().all())]
+        if bad:
+            raise ValueError(f"{name}: the saved weights are not finite in {', '.join(bad)} (a diverged model; "
+                             f"torch.load(path, weights_only=True) reads the file for inspection)")
         model = cls(saved_cfg)
         try:
-            model.load_state_dict(blob["state_dict"])
-        except (KeyError, RuntimeError) as exc:
-            raise ValueError(f"{os.fspath(path)}: the weights do not match the saved config ({exc})") from None
+            model.load_state_dict(state)
+        except Exception as exc:  # missing/extra keys, shapes, or anything else torch refuses
+            raise ValueError(f"{name}: the weights do not match the saved config ({exc})") from None
         return model
 
 
-_FORMAT = "riemannian_ref.FiberBundleTransformer/1"
+def _format_version(blob) -> int | None:
+    """The format version of a loaded file (None: not a model file)."""
+    fmt = blob.get("format") if isinstance(blob, dict) else None
+    if not isinstance(fmt, str) or not fmt.startswith(_FORMAT_PREFIX):
+        return None
+    tail = fmt[len(_FORMAT_PREFIX):]
+    return int(tail) if tail.isascii() and tail.isdigit() else None
+
+
+def _saved_config(name: str, saved, version: int, expected: FiberBundleConfig | None) -> FiberBundleConfig:
+    """The config a file records, checked field by field (format migrations applied)."""
+    if not isinstance(saved, dict) or not all(isinstance(k, str) for k in saved):
+        what = type(saved).__name__ if not isinstance(saved, dict) else "dict with non-str keys"
+        raise ValueError(f"{name}: the saved config is a {what}, not a dict of FiberBundleConfig fields")
+    unknown = sorted(set(saved) - _CONFIG_FIELDS)
+    if unknown:
+        raise ValueError(f"{name}: the saved config has unknown fields {unknown} (not fields of FiberBundleConfig)")
+    migrated = {k: v for k, v in _CONFIG_MIGRATIONS.get(version, {}).items() if k not in saved}
+    missing = sorted(_CONFIG_FIELDS - set(saved) - set(migrated))
+    if missing and expected is None:
+        raise ValueError(f"{name}: the saved config lacks the fields {missing} (format version {version}); "
+                         f"if you know the values the model was built with, load it with "
+                         f"config=FiberBundleConfig(...) giving them, and save it again")
+    values = {**migrated, **{k: getattr(expected, k) for k in missing}, **saved}
+    if version == 1 and "scale_residual" not in saved and _resolved_connection(values) == "content":
+        # The rule of connection="content" changed while format 1 was written: version 0.2.0 took the rates
+        # from the source token (today's "content_source"); later versions from both endpoints. Files that
+        # record scale_residual came after the change; without it, the file does not say which rule it used.
+        if expected is None or expected.connection_resolved not in ("content", "content_source"):
+            raise ValueError(
+                f"{name}: a format-1 file with the content connection that does not say which rule it used "
+                f"(version 0.2.0 took the rates from the source token, today's connection='content_source'; "
+                f"later development versions used today's 'content'); load it with config= giving the "
+                f"connection it was trained with, e.g. config=FiberBundleConfig(..., connection="
+                f"'content_source') for a file of 0.2.0 (FiberBundleTransformer.load shows how), and save it again")
+        values["connection"] = expected.connection
+    try:
+        return FiberBundleConfig(**values)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{name}: the saved config is not valid: {exc}") from None
+
+
+def _resolved_connection(values: dict):
+    """The connection a saved config's values resolve to (as FiberBundleConfig.connection_resolved)."""
+    if values.get("connection") is not None:
+        return values["connection"]
+    return "content" if values.get("mode") == "fiber_bundle" else "trivial"
+
+
+#: The format of the files :meth:`FiberBundleTransformer.save` writes ("<prefix><version>"). Version 2
+#: records every config field; version-1 files (older package versions) may lack the fields added since.
+_FORMAT_PREFIX = "riemannian_ref.FiberBundleTransformer/"
+_FORMAT_VERSION = 2
+_FORMAT = f"{_FORMAT_PREFIX}{_FORMAT_VERSION}"
+#: For each older format version, the config fields added since, with the values that reproduce the
+#: models of then (each field's behaviour before it existed). A file of that version may lack exactly
+#: these (it was written before some of them existed); any other missing field is refused.
+_CONFIG_MIGRATIONS: dict[int, dict[str, object]] = {
+    1: {"position_metric": False,  # per-token metrics (metric fields over positions did not exist)
+        "metric_bias": False,      # linear metric networks
+        "scale_residual": True,    # residual projections / sqrt(2L) at init with gpt2 init or skip
+        "metric_subspace": None},  # unconstrained per-token factors
+}
+_READABLE_VERSIONS = tuple(sorted({*_CONFIG_MIGRATIONS, _FORMAT_VERSION}))
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(FiberBundleConfig))
