@@ -351,3 +351,15 @@ def test_D22_sizes_beyond_an_int64_element_count_are_refused_naming_the_field():
                          mode="euclidean", tie_weights=False)
     rr.FiberBundleConfig(vocab_size=256_000, d_model=16_384, n_heads=128, n_layers=128, block_size=2**20,
                          metric_rank=64, ffn_metric_rank=64, position_metric=True)
+
+
+def test_load_keeps_the_saved_dtype(tmp_path):
+    """A float64 model comes back float64 with the same logits, not silently cast to float32."""
+    torch.manual_seed(0)
+    m = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(mode="riemannian")).double().eval()
+    p = tmp_path / "m64.pt"
+    m.save(p)
+    m2 = rr.FiberBundleTransformer.load(p).eval()
+    assert {t.dtype for t in m2.state_dict().values() if t.is_floating_point()} == {torch.float64}
+    idx = torch.randint(0, m.config.vocab_size, (2, 8))
+    assert torch.equal(m(idx).logits, m2(idx).logits)

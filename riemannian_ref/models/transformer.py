@@ -447,7 +447,8 @@ class FiberBundleTransformer(nn.Module):
         a model with the content connection that lacks ``scale_residual`` is
         refused unless ``config`` names the connection's rule: version 0.2.0
         used the rule now called ``"content_source"``. The weights must match
-        that config exactly (names and shapes) and be finite.
+        that config exactly (names and shapes) and be finite. Each parameter
+        and buffer comes back in the dtype it was saved in.
 
         A file of version 0.2.0 with the content connection loads as the model
         it was (and :meth:`save` then writes the current format) with::
@@ -517,6 +518,12 @@ class FiberBundleTransformer(nn.Module):
             raise ValueError(f"{name}: the saved weights are not finite in {', '.join(bad)} (a diverged model; "
                              f"torch.load(path, weights_only=True) reads the file for inspection)")
         model = cls(saved_cfg)
+        own = dict(model.named_buffers())
+        own.update(model.named_parameters())
+        for k, t in own.items():  # the file's floating dtypes (a float64 model stays float64)
+            s = state.get(k)
+            if isinstance(s, Tensor) and s.is_floating_point() and t.is_floating_point() and s.dtype != t.dtype:
+                t.data = t.data.to(s.dtype)
         try:
             model.load_state_dict(state)
         except Exception as exc:  # missing/extra keys, shapes, or anything else torch refuses
