@@ -10,6 +10,26 @@ or warm-up-plus-cosine learning rate, gradient clipping, periodic evaluation,
 evaluation hooks, checkpoints and exact resumption. It returns the metrics
 history as a dict of lists.
 
+What it guarantees:
+
+- Before the first step (and before the step-0 evaluation) it refuses, with a
+  ``ValueError`` naming the argument: examples with no scored position, token
+  ids or targets the model cannot take, non-finite parameters (named), and a
+  ``checkpoint_path`` that cannot be written.
+- Checkpoints are written atomically (a temporary file renamed over the
+  previous one): a process killed while writing leaves the previous
+  checkpoint complete, and resuming from it reproduces the uninterrupted run
+  bitwise. A checkpoint is never written with non-finite parameters.
+- A resume checks the whole file before anything is loaded (another run's
+  file, changed optimiser hyper-parameters unless
+  ``TrainConfig.resume_hparams`` allows them, damaged values), then restores
+  the model, the optimiser, the batch sampler and torch's global RNG together
+  or none of them; every refusal is a ``ValueError`` naming the file and the
+  field.
+- The first non-finite loss or gradient stops the run before the optimiser
+  step (``FloatingPointError`` naming the step); a parameter made non-finite
+  by an optimiser step stops it too, and is reported as such only then.
+
 The model interface is ``model(idx) -> logits`` of shape ``[B, n, V]``; a
 model returning a tuple ``(logits, ...)`` or a dict with ``"logits"`` is
 accepted too.
@@ -328,33 +348,61 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
         Built by the caller over the model's parameters (e.g. a
         :class:`~riemannian_ref.optim.adam.StiefelAdam` with its own groups);
         each group's ``lr`` is its peak rate, which the schedule of ``config``
-        scales (warm-up, cosine). None: AdamW or SGD as ``config`` says, with
-        no weight decay on vectors.
+        scales (warm-up, cosine); each group gets a ``peak_lr`` key holding it.
+        None: AdamW or SGD as ``config`` says, with no weight decay on
+        vectors. At a resume its class, group sizes and hyper-parameters are
+        compared with the checkpoint's (see ``TrainConfig.resume_hparams``),
+        and the checkpoint's per-parameter state must have the keys and
+        shapes that one step of a copy of this optimiser creates (on clones
+        of the parameters; the caller's are not touched).
     hooks : sequence of callables ``hook(step, metrics)``
         Called (on every rank) after each evaluation with the step and the dict
         of that evaluation's metrics (the last entry of every history list).
+        A hook must leave the parameters finite (a ``ValueError`` names the
+        step otherwise, and nothing is saved).
 
     Returns
     -------
     TrainResult
         The history (dict of lists), the final metrics, steps done, training
         time, throughput and parameter count. With ``checkpoint_path`` the
-        model, optimiser, batch-sampler state and history are saved at every
-        evaluation; ``resume=True`` continues from there and reproduces the
-        uninterrupted run exactly (same batches, same schedule).
+        model, optimiser, batch-sampler and global RNG states and the history
+        are saved (atomically) at every evaluation; ``resume=True`` continues
+        from there and reproduces the uninterrupted run exactly (same batches,
+        same schedule, same random draws), also after a process was killed
+        while writing a checkpoint (the previous one is then resumed).
 
     Raises
     ------
     ValueError
-        For a bad argument (naming it), or a checkpoint that cannot be read
-        safely, is damaged, or belongs to another run (naming the file and
-        what is wrong; nothing is loaded then).
+        Before any step or evaluation: for a bad argument (naming it);
+        ``train_data`` or ``val_data`` holding examples with no scored
+        position (the message gives the count and the fix); data with token
+        ids beyond the model's ``config.vocab_size`` or scored targets beyond
+        the model's outputs per position (read from one forward of one
+        example, which draws nothing from the global RNG); a parameter that is
+        not finite (naming it); a ``checkpoint_path`` that cannot be written
+        (naming it; checked on rank 0). At a resume: a checkpoint that cannot
+        be read safely, is damaged, belongs to another run, or whose
+        optimiser hyper-parameters differ while ``resume_hparams="refuse"``
+        (naming the file and the field); the whole file is checked before
+        anything is loaded, so the model, the optimiser and torch's global
+        RNG are then as they were. After an evaluation: a hook that made a
+        parameter non-finite.
     FloatingPointError
         At the first step whose training loss (or, the loss being finite, its
         gradient norm) is not finite, naming the step: the optimiser step is
         not taken, so the model keeps the last finite parameters. Also when
         an optimiser step turns a parameter non-finite (an overflowing
-        update). The checkpoint file keeps the last evaluation's state.
+        update). The checkpoint file keeps the last evaluation's state: a
+        checkpoint is never written with non-finite parameters.
+
+    Warns
+    -----
+    UserWarning
+        At a resume with ``resume_hparams`` "new" or "checkpoint" whose
+        optimiser hyper-parameters differ, listing the differences and which
+        values apply.
     """
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
