@@ -369,8 +369,12 @@ def _check_optimizer_state(blob: dict, path: str, optimizer: torch.optim.Optimiz
                 raise _damaged(path, f"{field}, key {key!r},",
                                f"has {_describe(entry[key])}, the optimiser keeps {_describe(want[key])} for a "
                                f"parameter of shape {tuple(params[idx].shape)}")
-    try:  # torch's own checks, on a throwaway copy
-        _copy_bound_to_clones(optimizer).load_state_dict(saved)
+    try:
+        trial = _copy_bound_to_clones(optimizer)
+    except Exception:  # noqa: BLE001 - an optimiser that cannot be copied: restore() still loads all or nothing
+        return
+    try:  # torch's own checks, on the throwaway copy
+        trial.load_state_dict(saved)
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"checkpoint {path!r}: the optimiser's state does not load ({type(exc).__name__}: "
                          f"{exc}); refusing to resume from it (nothing was loaded)") from None

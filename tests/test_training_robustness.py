@@ -469,3 +469,26 @@ def test_resume_keeps_the_bitwise_promise_with_all_checks_on(tmp_path):
     res = rr.train(m := fresh(seed=9), tr, va, _cfg(path, resume=True))
     assert res.history["val_loss"] == full.history["val_loss"] and _same(_state(m), _state(m_full))
     assert all(math.isfinite(v) for v in res.history["val_loss"][1:])
+
+
+def test_an_optimiser_that_cannot_be_copied_still_resumes_exactly(tmp_path):  # D14 (the fallback)
+    """The state check steps a deep copy of the optimiser; one that cannot be copied skips that check
+    (torch's load and the all-or-nothing restore remain) and resumes as before."""
+    import threading
+
+    class LockedSGD(torch.optim.SGD):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.lock = threading.Lock()  # not deep-copyable
+
+    with pytest.raises(TypeError):
+        copy.deepcopy(threading.Lock())
+    tr, va = _recall()
+    full = rr.train(m_full := _model(), tr, va, _cfg(), optimizer=LockedSGD(m_full.parameters(), lr=0.1,
+                                                                             momentum=0.9))
+    path = tmp_path / "ck.pt"
+    m = _model()
+    rr.train(m, tr, va, _cfg(path, stop_at_step=4), optimizer=LockedSGD(m.parameters(), lr=0.1, momentum=0.9))
+    m2 = _model(seed=3)
+    res = rr.train(m2, tr, va, _cfg(path, resume=True), optimizer=LockedSGD(m2.parameters(), lr=0.1, momentum=0.9))
+    assert res.history["val_loss"] == full.history["val_loss"] and _same(_state(m2), _state(m_full))
