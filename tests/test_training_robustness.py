@@ -274,9 +274,41 @@ def test_a_damaged_checkpoint_is_refused_before_anything_is_loaded(tmp_path, ck,
     assert _same(before, _state(model)), how  # nothing was loaded: the model,
     assert _opt_same(opt, snap), how  # the optimiser (state and groups),
     assert torch.equal(torch.get_rng_state(), rng), how  # and torch's global RNG are as they were
+    # the batch sampler (internal to train) is untouched as well: the same refusal, one level down
+    sampler = torch.Generator().manual_seed(99)
+    s0 = sampler.get_state()
+    with pytest.raises(ValueError, match=rf"{bad.name}.*{_DAMAGE[how]}"):
+        _checkpoint.resume(str(bad), config=_cfg(bad, resume=True), module=model, optimizer=opt, sampler=sampler,
+                           rank=0, world_size=1, device=torch.device("cpu"))
+    assert torch.equal(sampler.get_state(), s0) and _same(before, _state(model)) and _opt_same(opt, snap)
     # the undamaged file resumes (the control: the damage is what is refused)
     res = rr.train(_model(seed=4), tr, va, _cfg(ck, resume=True))
     assert res.steps_done == 9
+
+
+def test_a_restore_that_fails_midway_is_rolled_back(tmp_path, ck, monkeypatch):  # D6
+    """Model and optimiser already loaded, then the last state fails to load: all four are put back."""
+    tr, va = _recall()
+    model = _model(seed=4)
+    opt = _make_optimizer(model, _cfg())
+    before, snap = _state(model), _opt_snapshot(opt)
+    sampler = torch.Generator().manual_seed(99)
+    s0, rng = sampler.get_state(), torch.get_rng_state()
+    real = torch.set_rng_state
+    calls = []
+
+    def failing(state):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("simulated failure")
+        return real(state)
+
+    monkeypatch.setattr(torch, "set_rng_state", failing)
+    with pytest.raises(ValueError, match=r"ck\.pt.*torch's global RNG state does not load.*nothing was loaded"):
+        _checkpoint.resume(str(ck), config=_cfg(ck, resume=True), module=model, optimizer=opt, sampler=sampler,
+                           rank=0, world_size=1, device=torch.device("cpu"))
+    assert _same(before, _state(model)) and _opt_same(opt, snap)
+    assert torch.equal(sampler.get_state(), s0) and torch.equal(torch.get_rng_state(), rng)
 
 
 @pytest.mark.parametrize("kind", ["stiefel", "lowrank"])
