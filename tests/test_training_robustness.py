@@ -36,6 +36,13 @@ class Tiny(nn.Module):
         return self.head(torch.tanh(self.emb(idx)))
 
 
+class DropTiny(Tiny):
+    """Tiny with dropout: training draws from torch's global RNG, which a resume must restore."""
+
+    def forward(self, idx):
+        return self.head(nn.functional.dropout(torch.tanh(self.emb(idx)), 0.2, self.training))
+
+
 def _recall():
     return data.make_task("recall", seed=0, n_train=128, n_val=32, vocab_size=16, n_pairs=3, seq_len=12)
 
@@ -422,9 +429,11 @@ def test_targets_beyond_the_models_outputs_are_refused_before_any_step():  # D11
         rr.train(m, ct, ct, rr.TrainConfig(steps=1))
     tr, va = _recall()  # a generic model: read from one forward, which leaves the global RNG alone
     torch.manual_seed(7)
+    ten = DropTiny(out=10)  # dropout would draw from the RNG in a training-mode forward
     rng = torch.get_rng_state()
     with pytest.raises(ValueError, match=r"train_data has 16 classes.*model outputs 10 per position"):
-        rr.train(Tiny(out=10), tr, va, _cfg())
+        rr.train(ten, tr, va, _cfg())
+    assert torch.equal(torch.get_rng_state(), rng) and ten.training
     big = data.TaskData(tr.x, tr.y, tr.mask, 16)
     small = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(vocab_size=8, block_size=12))
     with pytest.raises(ValueError, match=r"train_data holds token ids up to 15.*model's vocab_size is 8"):
@@ -475,13 +484,6 @@ def test_a_save_of_non_finite_parameters_is_refused_and_the_last_checkpoint_kept
                          world_size=1, progress={})
     after = torch.load(ck, weights_only=True)
     assert after["step"] == blob["step"] and _same(after["model"], blob["model"])
-
-
-class DropTiny(Tiny):
-    """Tiny with dropout: training draws from torch's global RNG, which a resume must restore."""
-
-    def forward(self, idx):
-        return self.head(nn.functional.dropout(torch.tanh(self.emb(idx)), 0.2, self.training))
 
 
 def test_resume_keeps_the_bitwise_promise_with_all_checks_on(tmp_path):
