@@ -164,20 +164,24 @@ def test_a_process_killed_while_writing_a_checkpoint_keeps_the_previous_one(tmp_
     script = tmp_path / "child.py"
     script.write_text(_CHILD.format(repo=REPO, tests=os.path.join(REPO, "tests")))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
-    for where in ("empty", "half", "written", "rename"):
-        path = tmp_path / f"ck_{where}.pt"
-        proc = subprocess.Popen([sys.executable, str(script), str(path), where], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
-        try:
+    points = ("empty", "half", "written", "rename")
+    procs = {where: subprocess.Popen([sys.executable, str(script), str(tmp_path / f"ck_{where}.pt"), where],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for where in points}  # in parallel: each child's start-up (importing torch) dominates
+    try:
+        for where, proc in procs.items():
             line = proc.stdout.readline()
             assert line.strip() == "KILLME", (where, line, proc.stderr.read() if proc.poll() is not None else "")
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-        finally:
+            assert proc.returncode == -signal.SIGKILL
+    finally:
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        assert proc.returncode == -signal.SIGKILL
+    for where in points:
+        path = tmp_path / f"ck_{where}.pt"
         assert torch.load(path, weights_only=True)["step"] == 3, where  # the previous checkpoint, complete
         leftovers = [f for f in os.listdir(tmp_path) if f.startswith(f".ck_{where}.pt.") and f.endswith(".tmp")]
         assert len(leftovers) == 1, where  # the kill left the temporary file behind: it is never read
