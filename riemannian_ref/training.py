@@ -292,8 +292,9 @@ def _check_finite_params(module: nn.Module) -> None:
     if bad:
         names = ", ".join(f"{n!r} ({k} of {m} entries)" for n, k, m in bad[:5])
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-        raise ValueError(f"model: parameter(s) {names}{more} not finite before training (inf or NaN); "
-                         f"nothing was trained. Re-initialise the model or load finite weights")
+        what = f"model parameter {names} is" if len(bad) == 1 else f"model parameters {names}{more} are"
+        raise ValueError(f"{what} not finite (inf or NaN) before training; nothing was trained. Re-initialise "
+                         f"the model or load finite weights")
 
 
 def _check_outputs(module: nn.Module, train_data: TaskData, val_data: TaskData, device: torch.device, *,

@@ -454,8 +454,8 @@ def test_non_finite_parameters_are_named_before_training(mode):  # D12
     with torch.no_grad():
         m.blocks[0].mlp.fc.weight[0, 0] = float("nan")
     seen = []
-    with pytest.raises(ValueError, match=r"parameter\(s\) 'blocks\.0\.mlp\.fc\.weight' \(1 of \d+ entries\) not "
-                                         r"finite before training"):
+    with pytest.raises(ValueError, match=r"model parameter 'blocks\.0\.mlp\.fc\.weight' \(1 of \d+ entries\) is "
+                                         r"not finite \(inf or NaN\) before training"):
         rr.train(m, tr, va, _cfg(steps=3, eval_interval=3), hooks=[lambda s, x: seen.append(s)])
     assert seen == []
 
