@@ -243,8 +243,8 @@ def check_same_run(blob: dict, path: str, *, config, module: nn.Module, optimize
             if refuse_hparams and hdiffs:
                 diffs += hdiffs[:6] + ([f"... and {len(hdiffs) - 6} more hyper-parameters"] if len(hdiffs) > 6
                                        else [])
-                diffs.append("(resume_hparams='new' applies the new hyper-parameters, 'checkpoint' keeps the "
-                             "checkpoint's)")
+                diffs.append("(TrainConfig(resume_hparams='new') applies the new hyper-parameters, "
+                             "resume_hparams='checkpoint' keeps the checkpoint's)")
     if blob["world_size"] != world_size:
         diffs.append(f"world size: checkpoint {blob['world_size']}, now {world_size}")
     if diffs:
