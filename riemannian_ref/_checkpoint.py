@@ -1,11 +1,18 @@
-"""The training loop's checkpoints: write atomically, read safely, refuse another run's file (private).
+"""The training loop's checkpoints: write atomically, read safely, validate fully, restore all or nothing (private).
 
 A checkpoint is one :func:`torch.save` file holding only tensors and plain
-Python values (dicts, lists, strings, numbers). :func:`read` loads it with
-``weights_only=True``, so no code stored in a file ever runs: a file holding
-a pickled callable or any other object is refused before anything in it is
-called. Every problem is a ``ValueError`` that names the file and says what
-is wrong with it:
+Python values (dicts, lists, strings, numbers). :func:`write` goes through the
+package's one atomic writer (:func:`riemannian_ref._io.atomic_write`: a
+temporary file in the same directory, flushed to disk, renamed over the
+target), so a process killed while writing leaves the previous checkpoint
+intact. :func:`read` loads a file with ``weights_only=True``, so no code
+stored in a file ever runs: a file holding a pickled callable or any other
+object is refused before anything in it is called.
+
+:func:`resume` checks the whole file before anything is loaded into the
+caller's objects, then restores the model, the optimiser, the batch sampler
+and torch's global RNG together, or none of them. Every problem is a
+``ValueError`` that names the file and the field, and says what is wrong:
 
 - it cannot be read (missing, truncated, not a torch file, or holding objects
   other than tensors and plain values);
@@ -13,19 +20,30 @@ is wrong with it:
   of the wrong type (:func:`read` checks the schema);
 - it belongs to another run (:func:`check_same_run`): the :class:`TrainConfig`
   fields that define the run, the model's configuration, its parameter and
-  buffer names and shapes, the optimiser's class and parameter groups, or the
-  number of processes differ. Nothing is continued partially: the message
-  lists every difference and what to do.
+  buffer names and shapes, the optimiser's class, the sizes of its parameter
+  groups and their hyper-parameters (unless ``TrainConfig.resume_hparams``
+  says otherwise), or the number of processes differ; the message lists every
+  difference;
+- a value is damaged (:func:`validate`): RNG or batch-sampler states that a
+  CPU generator does not accept, a history whose lists differ in length or
+  whose steps are not those the loop evaluates at, a step beyond
+  ``TrainConfig.steps``, a negative or non-finite time, non-finite parameters,
+  or optimiser state whose keys or shapes differ from those the optimiser
+  creates for the same parameters.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
-import os
+import math
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from ._io import atomic_write
 
 __all__: list[str] = []  # private module
 
@@ -79,13 +97,12 @@ def model_config(module: nn.Module) -> dict | None:
 def write(path: str, payload: dict[str, Any]) -> None:
     """Save ``payload`` (the keys of the schema, ``format`` added here) to ``path`` atomically.
 
-    The file is written next to ``path`` and renamed over it, so an
+    Through :func:`riemannian_ref._io.atomic_write`: a temporary file next
+    to ``path`` is written, flushed to disk and renamed over it, so an
     interrupted write leaves the previous checkpoint intact.
     """
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    torch.save({"format": FORMAT, **payload}, tmp)
-    os.replace(tmp, path)
+    blob = {"format": FORMAT, **payload}
+    atomic_write(path, lambda tmp: torch.save(blob, tmp), "checkpoint_path")
 
 
 def read(path: str, map_location=None) -> dict[str, Any]:
@@ -131,28 +148,69 @@ def _shapes(state: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in state.items()}
 
 
+def _comparable(v):
+    """A value ``==`` can compare: tensors as lists, lists as tuples (a tuple round-trips as a tuple)."""
+    if isinstance(v, Tensor):
+        return ("tensor", tuple(v.shape), v.detach().cpu().tolist())
+    if isinstance(v, (list, tuple)):
+        return tuple(_comparable(x) for x in v)
+    return v
+
+
 def _diff_dicts(saved: dict, now: dict, label: str, limit: int = 6) -> list[str]:
     keys = sorted(set(saved) | set(now))
     out = []
     for k in keys:
         a, b = saved.get(k, "<absent>"), now.get(k, "<absent>")
-        if isinstance(a, list):
-            a = tuple(a)  # a tuple round-trips through the file as a tuple, but be lenient
-        if isinstance(b, list):
-            b = tuple(b)
-        if a != b:
+        if _comparable(a) != _comparable(b):
+            a, b = (tuple(x) if isinstance(x, list) else x for x in (a, b))
             out.append(f"{label}{k}: checkpoint {a!r}, now {b!r}")
     return out[:limit] + ([f"... and {len(out) - limit} more {label or 'fields'}"] if len(out) > limit else [])
 
 
+#: Keys of an optimiser's parameter group that are not hyper-parameters compared at a resume: the
+#: parameters themselves, their names, and ``lr``, which the loop sets at every step from ``peak_lr``.
+_GROUP_NOT_HPARAMS = ("params", "param_names", "lr")
+
+#: TrainConfig fields that only set the built-in optimiser's hyper-parameters; with
+#: ``resume_hparams`` "new" or "checkpoint" they are compared as the groups' values instead.
+_OPTIMIZER_FIELDS = ("lr", "weight_decay", "betas", "momentum")
+
+
+def group_hparams(group: dict) -> dict:
+    """A parameter group's hyper-parameters: every key but ``params``, ``param_names`` and ``lr``, with
+    ``peak_lr`` (the group's peak rate, which the loop's schedule scales) defaulting to ``lr``."""
+    out = {k: v for k, v in group.items() if k not in _GROUP_NOT_HPARAMS}
+    if "lr" in group:
+        out.setdefault("peak_lr", group["lr"])
+    return out
+
+
+def hparam_diffs(blob: dict, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Every hyper-parameter of every group that differs between the checkpoint and ``optimizer``."""
+    groups = blob["optimizer"].get("param_groups")
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        return []  # reported as a difference of group sizes
+    out = []
+    for i, (g_saved, g_now) in enumerate(zip(groups, optimizer.param_groups)):
+        if isinstance(g_saved, dict):
+            out += _diff_dicts(group_hparams(g_saved), group_hparams(g_now), f"optimizer group {i} ", limit=10**9)
+    return out
+
+
 def check_same_run(blob: dict, path: str, *, config, module: nn.Module, optimizer: torch.optim.Optimizer,
-                   world_size: int) -> None:
-    """Refuse to resume from a checkpoint of another run.
+                   world_size: int) -> list[str]:
+    """Refuse to resume from a checkpoint of another run; return the differing optimiser hyper-parameters.
 
     Compares the :class:`TrainConfig` fields that define the run
     (:meth:`TrainConfig.run_fields`), the model's configuration when it has one, the
-    names and shapes of its parameters and buffers, the optimiser's class and
-    the sizes of its parameter groups, and the number of processes.
+    names and shapes of its parameters and buffers, the optimiser's class,
+    the sizes of its parameter groups and, with ``config.resume_hparams ==
+    "refuse"``, every hyper-parameter of every group (:func:`group_hparams`),
+    and the number of processes. With ``resume_hparams`` "new" or
+    "checkpoint", the differing hyper-parameters (and the config's ``lr``,
+    ``weight_decay``, ``betas`` and ``momentum``, which only set them) are not
+    refused but returned, for :func:`restore` to apply and report.
 
     Raises
     ------
@@ -161,24 +219,32 @@ def check_same_run(blob: dict, path: str, *, config, module: nn.Module, optimize
     """
     now_cfg = config.run_fields()
     saved_cfg = {k: v for k, v in blob["config"].items() if k in now_cfg or k not in dataclasses.asdict(config)}
+    refuse_hparams = getattr(config, "resume_hparams", "refuse") == "refuse"
+    if not refuse_hparams:
+        now_cfg = {k: v for k, v in now_cfg.items() if k not in _OPTIMIZER_FIELDS}
+        saved_cfg = {k: v for k, v in saved_cfg.items() if k not in _OPTIMIZER_FIELDS}
     diffs = _diff_dicts(saved_cfg, now_cfg, "TrainConfig.")
     mc = model_config(module)
     if mc is not None or blob["model_config"] is not None:
         diffs += _diff_dicts(blob["model_config"] or {}, mc or {}, "model config ")
     diffs += _diff_dicts(_shapes(blob["model"]), _shapes(module.state_dict()), "model tensor ")
+    hdiffs: list[str] = []
     if blob["optimizer_class"] != optimizer_class(optimizer):
         diffs.append(f"optimizer: checkpoint {blob['optimizer_class']}, now {optimizer_class(optimizer)}")
     else:
         groups = blob["optimizer"].get("param_groups")
-        saved = [len(g.get("params", ())) for g in groups] if isinstance(groups, list) else None
+        saved = ([len(g.get("params", ())) if isinstance(g, dict) else None for g in groups]
+                 if isinstance(groups, list) else None)
         now = [len(g["params"]) for g in optimizer.param_groups]
         if saved != now:
             diffs.append(f"optimizer parameter groups: checkpoint sizes {saved}, now {now}")
-        else:  # the same class, but a group lacking a hyper-parameter the optimiser reads
-            for i, (g_saved, g_now) in enumerate(zip(groups, optimizer.param_groups)):
-                missing = sorted(set(g_now) - set(g_saved) - {"params", "peak_lr"})
-                if missing:
-                    diffs.append(f"optimizer parameter group {i}: the checkpoint lacks {missing}")
+        else:
+            hdiffs = hparam_diffs(blob, optimizer)
+            if refuse_hparams and hdiffs:
+                diffs += hdiffs[:6] + ([f"... and {len(hdiffs) - 6} more hyper-parameters"] if len(hdiffs) > 6
+                                       else [])
+                diffs.append("(TrainConfig(resume_hparams='new') applies the new hyper-parameters, "
+                             "resume_hparams='checkpoint' keeps the checkpoint's)")
     if blob["world_size"] != world_size:
         diffs.append(f"world size: checkpoint {blob['world_size']}, now {world_size}")
     if diffs:
@@ -186,22 +252,251 @@ def check_same_run(blob: dict, path: str, *, config, module: nn.Module, optimize
             f"checkpoint {path!r} belongs to another run; refusing to resume from it (nothing was loaded): "
             + "; ".join(diffs)
             + ". Resume with the same configuration, or give this run its own checkpoint_path.")
+    return hdiffs
 
 
-def restore(blob: dict, path: str, *, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load the model's and the optimiser's states, or neither, turning torch's errors into ones naming ``path``."""
-    before = {k: v.detach().clone() for k, v in module.state_dict().items()}
+_HISTORY_KEYS = ("step", "lr", "train_loss", "val_loss", "val_accuracy", "val_seq_accuracy", "tokens_per_s",
+                 "time_s")
+
+
+def eval_steps(step: int, config) -> list[int]:
+    """The steps the loop has evaluated at when it has done ``step`` steps: 0, every ``eval_interval``,
+    and ``config.steps``."""
+    out = list(range(0, step + 1, config.eval_interval))
+    if step == config.steps and out[-1] != step:
+        out.append(step)
+    return out
+
+
+def _damaged(path: str, field: str, what: str) -> ValueError:
+    return ValueError(f"checkpoint {path!r} is damaged: {field} {what}; refusing to resume from it "
+                      f"(nothing was loaded)")
+
+
+def _check_generator_state(state: Tensor, path: str, field: str) -> None:
+    """A state a CPU :class:`torch.Generator` accepts (size and content), checked on a throwaway one."""
+    size = torch.Generator().get_state().numel()
+    if state.dtype != torch.uint8 or state.dim() != 1 or state.numel() != size:
+        raise _damaged(path, field, f"should be a CPU generator state (uint8, {size} bytes), got "
+                                    f"{state.dtype} of shape {tuple(state.shape)}")
+    try:
+        torch.Generator().set_state(state.cpu())
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise _damaged(path, field, f"is not a valid CPU generator state ({str(exc).splitlines()[0]})") from None
+
+
+def _structure(v):
+    """The shape of a state value: tensors by shape, lists/tuples element-wise, other values by type."""
+    if isinstance(v, Tensor):
+        return ("tensor", tuple(v.shape))
+    if isinstance(v, (list, tuple)):
+        return ("list", tuple(_structure(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((str(k), _structure(x)) for k, x in v.items())))
+    if isinstance(v, bool) or v is None:
+        return type(v).__name__
+    if isinstance(v, (int, float)):
+        return "number"
+    return type(v).__name__
+
+
+def _tensors(v):
+    if isinstance(v, Tensor):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _tensors(x)
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from _tensors(x)
+
+
+def _copy_bound_to_clones(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A deep copy of ``optimizer`` whose groups hold clones of its parameters (the caller's are untouched)."""
+    memo = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if id(p) not in memo:
+                memo[id(p)] = p.detach().clone().requires_grad_(p.requires_grad)
+    return copy.deepcopy(optimizer, memo)
+
+
+def _reference_state(optimizer: torch.optim.Optimizer) -> dict | None:
+    """The state one step of a copy of ``optimizer`` creates for every parameter (zero gradients, on
+    clones); None if the optimiser cannot be copied or stepped that way (e.g. it needs a closure)."""
+    try:
+        dry = _copy_bound_to_clones(optimizer)
+        for g in dry.param_groups:
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        type(dry).step(dry)  # the class's step: an instance attribute may close over the caller's objects
+        return dry.state_dict()["state"]
+    except Exception:  # noqa: BLE001 - no reference: the shape check is skipped, the trial load still runs
+        return None
+
+
+def _check_optimizer_state(blob: dict, path: str, optimizer: torch.optim.Optimizer) -> None:
+    saved = blob["optimizer"]
+    state = saved.get("state")
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint {path!r} is damaged: the optimiser's state does not load ('optimizer' has no "
+                         f"'state' dict); refusing to resume from it (nothing was loaded)")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ref = _reference_state(optimizer)
+    for idx, entry in state.items():
+        field = f"'optimizer' state of parameter {idx!r}"
+        if isinstance(idx, int) and not isinstance(idx, bool):
+            if not 0 <= idx < len(params):
+                raise _damaged(path, field, f"names no parameter (the optimiser has {len(params)})")
+        for t in _tensors(entry):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise _damaged(path, field, "holds non-finite values")
+        if ref is None or idx not in ref:
+            continue
+        want = ref[idx]
+        if not isinstance(entry, dict) or not isinstance(want, dict):
+            if _structure(entry) != _structure(want):
+                raise _damaged(path, field, f"is {type(entry).__name__}, the optimiser keeps "
+                                            f"{type(want).__name__}")
+            continue
+        missing, extra = sorted(set(want) - set(entry), key=str), sorted(set(entry) - set(want), key=str)
+        if missing or extra:
+            raise _damaged(path, field, f"has keys {sorted(entry, key=str)}, the optimiser keeps "
+                                        f"{sorted(want, key=str)} (shape {tuple(params[idx].shape)})")
+        for key in want:
+            a, b = _structure(entry[key]), _structure(want[key])
+            if a != b:
+                raise _damaged(path, f"{field}, key {key!r},",
+                               f"has {_describe(entry[key])}, the optimiser keeps {_describe(want[key])} for a "
+                               f"parameter of shape {tuple(params[idx].shape)}")
+    try:
+        trial = _copy_bound_to_clones(optimizer)
+    except Exception:  # noqa: BLE001 - an optimiser that cannot be copied: restore() still loads all or nothing
+        return
+    try:  # torch's own checks, on the throwaway copy
+        trial.load_state_dict(saved)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"checkpoint {path!r}: the optimiser's state does not load ({type(exc).__name__}: "
+                         f"{exc}); refusing to resume from it (nothing was loaded)") from None
+
+
+def _describe(v) -> str:
+    if isinstance(v, Tensor):
+        return f"a tensor of shape {tuple(v.shape)}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_describe(x) for x in v) + "]"
+    return type(v).__name__
+
+
+def validate(blob: dict, path: str, *, config, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Check every value of a schema-checked checkpoint of this run before anything is loaded.
+
+    The RNG and batch-sampler states must be states a CPU generator accepts
+    (checked on throwaway generators); ``step`` must lie in ``[0,
+    config.steps]``; the history must hold every key the loop writes, as lists
+    of numbers of one length, evaluated at the steps the loop evaluates at
+    (0, every ``eval_interval``, and ``steps``) up to ``step``, with
+    ``n_since`` the steps after the last of them; the times, token count and
+    accumulated loss must be finite and non-negative where they count; the
+    model's parameters must be finite; and the optimiser's per-parameter state
+    must have the keys and shapes that one step of a copy of ``optimizer``
+    (on clones of the parameters, with zero gradients) creates, and load into
+    another copy.
+
+    Raises
+    ------
+    ValueError
+        Naming ``path`` and the field.
+    """
+    _check_generator_state(blob["torch_rng"], path, "'torch_rng' (torch's global RNG state)")
+    for r, s in enumerate(blob["sampler"]):
+        _check_generator_state(s, path, f"'sampler' state of rank {r}")
+    step = blob["step"]
+    if not 0 <= step <= config.steps:
+        raise _damaged(path, "'step'", f"is {step}, outside [0, steps={config.steps}]")
+    hist = blob["history"]
+    keys = set(hist)
+    if keys != set(_HISTORY_KEYS):
+        missing, extra = sorted(set(_HISTORY_KEYS) - keys, key=str), sorted(keys - set(_HISTORY_KEYS), key=str)
+        raise _damaged(path, "'history'", f"should have the keys {list(_HISTORY_KEYS)}"
+                       + (f"; missing {missing}" if missing else "") + (f"; unexpected {extra}" if extra else ""))
+    for k in _HISTORY_KEYS:
+        v = hist[k]
+        if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+            raise _damaged(path, f"'history' list {k!r}", "should be a list of numbers")
+    lengths = {k: len(hist[k]) for k in _HISTORY_KEYS}
+    if len(set(lengths.values())) != 1:
+        raise _damaged(path, "'history'", f"has lists of different lengths {lengths}")
+    want = eval_steps(step, config)
+    if hist["step"] != want:
+        raise _damaged(path, "'history' list 'step'", f"is {hist['step']}, but a run at step {step} with "
+                       f"eval_interval={config.eval_interval} and steps={config.steps} has evaluated at {want}")
+    if blob["n_since"] != step - want[-1]:
+        raise _damaged(path, "'n_since'", f"is {blob['n_since']}, but step {step} is {step - want[-1]} steps "
+                       f"after the last evaluation")
+    for key in ("train_time_s", "loss_since"):
+        v = blob[key]
+        if not (math.isfinite(v) and v >= 0):
+            raise _damaged(path, repr(key), f"is {v}, expected a finite number >= 0")
+    if blob["tokens_seen"] < 0:
+        raise _damaged(path, "'tokens_seen'", f"is {blob['tokens_seen']}, expected >= 0")
+    param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    for name, t in blob["model"].items():
+        if name in param_names and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise _damaged(path, f"model parameter {name!r}", f"is not finite ({bad} of {t.numel()} entries)")
+    _check_optimizer_state(blob, path, optimizer)
+
+
+def restore(blob: dict, path: str, *, config, module: nn.Module, optimizer: torch.optim.Optimizer,
+            sampler: torch.Generator, rank: int, hdiffs: list[str] = ()) -> None:
+    """Load the model, optimiser, batch-sampler and global RNG states, all of them or none.
+
+    With ``hdiffs`` (the hyper-parameters that differ, from
+    :func:`check_same_run`) and ``config.resume_hparams == "new"``, the
+    optimiser's groups keep the caller's hyper-parameters; with
+    ``"checkpoint"`` they take the checkpoint's. Either way a warning lists
+    the differences. Torch's errors become ones naming ``path``.
+    """
+    before_model = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    before_opt = copy.deepcopy(optimizer.state_dict())
+    now_groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in optimizer.param_groups]
+    before_sampler, before_rng = sampler.get_state(), torch.get_rng_state()
+    stage = "the model's state"
     try:
         module.load_state_dict(blob["model"])
-    except (RuntimeError, KeyError, ValueError) as exc:
-        module.load_state_dict(before)
-        raise ValueError(f"checkpoint {path!r}: the model's state does not load: {exc}") from None
-    try:
+        stage = "the optimiser's state"
         optimizer.load_state_dict(blob["optimizer"])
-    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
-        module.load_state_dict(before)  # all or nothing
-        raise ValueError(f"checkpoint {path!r}: the optimiser's state does not load "
-                         f"({type(exc).__name__}: {exc})") from None
+        if hdiffs and config.resume_hparams == "new":
+            for g, mine in zip(optimizer.param_groups, now_groups):
+                lr = g.get("lr")
+                for k in [k for k in g if k not in ("params", "param_names")]:
+                    del g[k]
+                g.update(mine)
+                g.setdefault("peak_lr", mine.get("lr"))
+                if lr is not None:
+                    g["lr"] = lr
+        stage = "the batch sampler's state"
+        sampler.set_state(blob["sampler"][rank].cpu())
+        stage = "torch's global RNG state"
+        torch.set_rng_state(blob["torch_rng"].cpu())
+    except Exception as exc:  # all or nothing
+        module.load_state_dict(before_model)
+        optimizer.load_state_dict(before_opt)
+        sampler.set_state(before_sampler)
+        torch.set_rng_state(before_rng)
+        raise ValueError(f"checkpoint {path!r}: {stage} does not load ({type(exc).__name__}: {exc}); nothing "
+                         f"was loaded") from None
+    if hdiffs:
+        kept = ("the new values apply" if config.resume_hparams == "new" else
+                "the checkpoint's values apply, the new ones are discarded")
+        warnings.warn(f"resuming from {path!r} with changed optimiser hyper-parameters "
+                      f"(resume_hparams={config.resume_hparams!r}: {kept}): " + "; ".join(hdiffs),
+                      UserWarning, stacklevel=4)
+
+
+def _nonfinite_params(module: nn.Module) -> list[str]:
+    return [n for n, p in module.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
 
 
 def save(path: str, *, config, module: nn.Module, optimizer: torch.optim.Optimizer, sampler: torch.Generator,
@@ -210,7 +505,17 @@ def save(path: str, *, config, module: nn.Module, optimizer: torch.optim.Optimiz
 
     ``progress`` holds ``history``, ``step``, ``train_time_s``, ``tokens_seen``,
     ``loss_since`` and ``n_since``.
+
+    Raises
+    ------
+    FloatingPointError
+        Naming the parameters, if one is not finite: nothing is written, the
+        previous checkpoint stays as it was.
     """
+    bad = _nonfinite_params(module)
+    if bad:
+        raise FloatingPointError(f"refusing to write checkpoint {path!r}: parameter(s) {bad[:5]} are not finite; "
+                                 f"the previous checkpoint is left as it was")
     states = [sampler.get_state()]
     if world_size > 1:  # every rank's batch-order state, so resume is exact on all ranks
         states = [torch.empty_like(states[0]) for _ in range(world_size)]
@@ -226,16 +531,16 @@ def save(path: str, *, config, module: nn.Module, optimizer: torch.optim.Optimiz
 
 def resume(path: str, *, config, module: nn.Module, optimizer: torch.optim.Optimizer, sampler: torch.Generator,
            rank: int, world_size: int, device) -> dict[str, Any]:
-    """Read ``path`` safely, refuse another run's file, then restore the model, optimiser and RNG states.
+    """Read ``path`` safely, refuse another run's file, validate every value, then restore the model,
+    optimiser, batch-sampler and RNG states (all or nothing).
 
     Returns the checkpoint, whose ``history``, ``step``, ``train_time_s``,
     ``tokens_seen``, ``loss_since`` and ``n_since`` continue the run.
     """
     ck = read(path, map_location=device)
-    check_same_run(ck, path, config=config, module=module, optimizer=optimizer, world_size=world_size)
-    restore(ck, path, module=module, optimizer=optimizer)
-    sampler.set_state(ck["sampler"][rank])
-    torch.set_rng_state(ck["torch_rng"].cpu())
+    hdiffs = check_same_run(ck, path, config=config, module=module, optimizer=optimizer, world_size=world_size)
+    validate(ck, path, config=config, module=module, optimizer=optimizer)
+    restore(ck, path, config=config, module=module, optimizer=optimizer, sampler=sampler, rank=rank, hdiffs=hdiffs)
     return ck
 
 

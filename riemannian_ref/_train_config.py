@@ -77,22 +77,49 @@ class TrainConfig:
         Save model, optimiser, batch-sampler and global RNG states and the
         history here (atomically, on rank 0) after every evaluation but the
         one at step 0, and at the stop when ``stop_at_step`` falls between
-        evaluations; None: no checkpoints. The file holds only tensors and
+        evaluations; None: no checkpoints. The path is checked for writing
+        when training starts, before any step (a ``ValueError`` naming it).
+        Each write goes to a temporary file in the same directory that is
+        renamed over the previous checkpoint, so a process killed while
+        writing leaves the previous checkpoint complete; a checkpoint is never
+        written with non-finite parameters. The file holds only tensors and
         plain values and is read back with ``weights_only=True``: no code
         stored in a checkpoint runs.
     resume : bool, default False
         Continue from ``checkpoint_path`` if that file exists (it must be set);
-        the resumed run reproduces the uninterrupted one. A checkpoint of
-        another run is refused with a ``ValueError`` listing the differences:
-        the fields of this config that define the run (all but ``device``,
-        ``progress``, ``checkpoint_path``, ``resume``, ``stop_at_step`` and
-        ``eval_batch_size``), the model's ``config`` when it has one, its
-        parameter and buffer names and shapes, the optimiser's class and
-        parameter groups, and the number of processes.
+        the resumed run reproduces the uninterrupted one. The whole file is
+        checked before anything is loaded, and then the model, the optimiser,
+        the batch sampler and torch's global RNG are restored together, or
+        none of them: any refusal is a ``ValueError`` naming the file and the
+        field, and leaves the caller's model, optimiser and RNG as they were.
+        A checkpoint of another run is refused, listing the differences: the
+        fields of this config that define the run (all but ``device``,
+        ``progress``, ``checkpoint_path``, ``resume``, ``resume_hparams``,
+        ``stop_at_step`` and ``eval_batch_size``), the model's ``config`` when
+        it has one, its parameter and buffer names and shapes, the optimiser's
+        class, the sizes of its parameter groups and their hyper-parameters
+        (see ``resume_hparams``), and the number of processes. A damaged file
+        is refused too: RNG or sampler states a CPU generator does not accept,
+        a history that is not one the loop writes, a step beyond ``steps``, a
+        non-finite time or parameter, or optimiser state whose keys or shapes
+        are not those the optimiser keeps for the parameters.
     stop_at_step : int or None, default None
         Stop after this step (in ``[1, steps]``), saving a checkpoint there
         if ``checkpoint_path`` is set, e.g. before a job's time limit; the
         schedule is still that of ``steps``. None: run to ``steps``.
+    resume_hparams : {"refuse", "new", "checkpoint"}, default "refuse"
+        What a resume does when the optimiser's hyper-parameters differ from
+        the checkpoint's (every key of every parameter group except
+        ``params``, ``param_names`` and ``lr``, which the schedule sets from
+        the group's peak rate ``peak_lr``; for the built-in optimiser these
+        are ``lr``, ``weight_decay``, ``betas`` and ``momentum`` of this
+        config). ``"refuse"``: a ``ValueError`` listing every differing value.
+        ``"new"``: the caller's values apply from the resumed step on;
+        ``"checkpoint"``: the checkpoint's values apply and the caller's are
+        discarded. Both of these warn (``UserWarning``), listing the
+        differences; with them, a changed ``lr``, ``weight_decay``, ``betas``
+        or ``momentum`` of this config is not refused as another run. It does
+        not define the run (it is left out of :meth:`run_fields`).
     """
 
     optimizer: str = "adamw"  # "adamw" or "sgd"
@@ -115,6 +142,7 @@ class TrainConfig:
     checkpoint_path: str | None = None  # save here at every evaluation and at the end
     resume: bool = False  # continue from checkpoint_path if it exists
     stop_at_step: int | None = None  # stop early (after checkpointing), e.g. a job time limit
+    resume_hparams: str = "refuse"  # changed optimiser hyper-parameters at a resume: "refuse", "new", "checkpoint"
 
     def __post_init__(self):
         if isinstance(self.betas, list):  # from JSON
@@ -155,11 +183,13 @@ class TrainConfig:
             raise ValueError("resume=True needs a checkpoint_path")
         if self.stop_at_step is not None:
             check_int(self.stop_at_step, "stop_at_step", 1, self.steps)
+        check_choice(self.resume_hparams, "resume_hparams", ("refuse", "new", "checkpoint"))
 
     def run_fields(self) -> dict:
         """The fields that define the run, as a dict: all but where it runs, how it reports, where it is
-        saved, when this process stops, and the evaluation batch size (``device``, ``progress``,
-        ``checkpoint_path``, ``resume``, ``stop_at_step``, ``eval_batch_size``). A resume compares them."""
+        saved, when this process stops, the evaluation batch size, and what a resume does with changed
+        optimiser hyper-parameters (``device``, ``progress``, ``checkpoint_path``, ``resume``,
+        ``stop_at_step``, ``eval_batch_size``, ``resume_hparams``). A resume compares them."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in _NON_RUN_FIELDS}
 
     def replace(self, **changes) -> "TrainConfig":
@@ -168,7 +198,8 @@ class TrainConfig:
 
 
 # what does not change what is computed (TrainConfig.run_fields leaves these out)
-_NON_RUN_FIELDS = ("device", "progress", "checkpoint_path", "resume", "stop_at_step", "eval_batch_size")
+_NON_RUN_FIELDS = ("device", "progress", "checkpoint_path", "resume", "stop_at_step", "eval_batch_size",
+                   "resume_hparams")
 
 #: Largest ``TrainConfig.seed``: the batch sampler's seed ``seed * 1_000_003 + rank`` stays within 64 bits.
 _MAX_SEED = 2 ** 44

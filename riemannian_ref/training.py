@@ -10,6 +10,26 @@ or warm-up-plus-cosine learning rate, gradient clipping, periodic evaluation,
 evaluation hooks, checkpoints and exact resumption. It returns the metrics
 history as a dict of lists.
 
+What it guarantees:
+
+- Before the first step (and before the step-0 evaluation) it refuses, with a
+  ``ValueError`` naming the argument: examples with no scored position, token
+  ids or targets the model cannot take, non-finite parameters (named), and a
+  ``checkpoint_path`` that cannot be written.
+- Checkpoints are written atomically (a temporary file renamed over the
+  previous one): a process killed while writing leaves the previous
+  checkpoint complete, and resuming from it reproduces the uninterrupted run
+  bitwise. A checkpoint is never written with non-finite parameters.
+- A resume checks the whole file before anything is loaded (another run's
+  file, changed optimiser hyper-parameters unless
+  ``TrainConfig.resume_hparams`` allows them, damaged values), then restores
+  the model, the optimiser, the batch sampler and torch's global RNG together
+  or none of them; every refusal is a ``ValueError`` naming the file and the
+  field.
+- The first non-finite loss or gradient stops the run before the optimiser
+  step (``FloatingPointError`` naming the step); a parameter made non-finite
+  by an optimiser step stops it too, and is reported as such only then.
+
 The model interface is ``model(idx) -> logits`` of shape ``[B, n, V]``; a
 model returning a tuple ``(logits, ...)`` or a dict with ``"logits"`` is
 accepted too.
@@ -235,6 +255,84 @@ def _empty_history() -> dict[str, list]:
                             "val_seq_accuracy", "tokens_per_s", "time_s")}
 
 
+def _check_scored(data: TaskData, name: str) -> None:
+    """Refuse examples with no scored position (D5): they make an all-unscored batch's loss 0/0."""
+    empty = ~data.mask.any(dim=1)
+    k = int(empty.sum())
+    if k:
+        first = torch.nonzero(empty)[:5, 0].tolist()
+        raise ValueError(
+            f"{name} has {k} of {len(data)} examples with no scored position (their mask is all false, e.g. "
+            f"examples {first}); a batch of only such examples has no loss to minimise, and in evaluation they "
+            f"would count as exact sequences. Drop them first: {name}.subset({name}.mask.any(dim=1))")
+
+
+def _check_checkpoint_path(path: str, rank: int, world: int) -> None:
+    """``checkpoint_path`` must be writable before any step (rank 0 checks; every rank raises)."""
+    from ._io import check_writable
+
+    msg = None
+    if rank == 0:
+        try:
+            check_writable(path, "checkpoint_path")
+        except ValueError as exc:
+            msg = str(exc)
+    if world > 1:
+        box = [msg]
+        dist.broadcast_object_list(box, src=0)
+        msg = box[0]
+    if msg is not None:
+        raise ValueError(msg + "; nothing was trained")
+
+
+def _check_finite_params(module: nn.Module) -> None:
+    """Refuse non-finite parameters before any step or evaluation, naming them."""
+    bad = [(n, int((~torch.isfinite(p.detach())).sum()), p.numel()) for n, p in module.named_parameters()
+           if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
+    if bad:
+        names = ", ".join(f"{n!r} ({k} of {m} entries)" for n, k, m in bad[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        what = f"model parameter {names} is" if len(bad) == 1 else f"model parameters {names}{more} are"
+        raise ValueError(f"{what} not finite (inf or NaN) before training; nothing was trained. Re-initialise "
+                         f"the model or load finite weights")
+
+
+def _check_outputs(module: nn.Module, train_data: TaskData, val_data: TaskData, device: torch.device, *,
+                   loaded_later: bool) -> None:
+    """Refuse data whose token ids or targets the model cannot take (D11), before any step.
+
+    Token ids are checked against the model's ``config.vocab_size`` when it
+    has one. The number of outputs per position is read from one forward of
+    one training example (eval mode, no gradients, the global RNG restored
+    afterwards, so the run is unchanged); every scored target must be below it.
+    """
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    for name, d in (("train_data", train_data), ("val_data", val_data)):
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and d.x.numel() and int(d.x.max()) >= vocab:
+            raise ValueError(f"{name} holds token ids up to {int(d.x.max())} (vocab_size {d.vocab_size}), but the "
+                             f"model's vocab_size is {vocab}")
+    was_training = module.training
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            module.eval()
+            out = logits_of(module(train_data.x[:1].to(device)))
+    except Exception:  # noqa: BLE001
+        if loaded_later:  # e.g. non-finite weights the resume replaces: the checkpoint is checked instead
+            return
+        raise
+    finally:
+        module.train(was_training)
+    if not isinstance(out, Tensor) or out.dim() != 3:
+        return  # masked_cross_entropy names the shape at the first step
+    n_out = out.shape[-1]
+    for name, d in (("train_data", train_data), ("val_data", val_data)):
+        scored = d.y[d.mask]
+        top = int(scored.max()) if scored.numel() else -1
+        if top >= n_out:
+            raise ValueError(f"{name} has {d.out_dim} classes (targets up to {top}), but the model outputs "
+                             f"{n_out} per position; build the model with as many outputs as {name}.out_dim")
+
+
 def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: TrainConfig, *,
           optimizer: torch.optim.Optimizer | None = None, hooks: Sequence[Hook] = ()) -> TrainResult:
     """Train ``model`` on ``train_data``, evaluating on ``val_data``.
@@ -251,33 +349,61 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
         Built by the caller over the model's parameters (e.g. a
         :class:`~riemannian_ref.optim.adam.StiefelAdam` with its own groups);
         each group's ``lr`` is its peak rate, which the schedule of ``config``
-        scales (warm-up, cosine). None: AdamW or SGD as ``config`` says, with
-        no weight decay on vectors.
+        scales (warm-up, cosine); each group gets a ``peak_lr`` key holding it.
+        None: AdamW or SGD as ``config`` says, with no weight decay on
+        vectors. At a resume its class, group sizes and hyper-parameters are
+        compared with the checkpoint's (see ``TrainConfig.resume_hparams``),
+        and the checkpoint's per-parameter state must have the keys and
+        shapes that one step of a copy of this optimiser creates (on clones
+        of the parameters; the caller's are not touched).
     hooks : sequence of callables ``hook(step, metrics)``
         Called (on every rank) after each evaluation with the step and the dict
         of that evaluation's metrics (the last entry of every history list).
+        A hook must leave the parameters finite (a ``ValueError`` names the
+        step otherwise, and nothing is saved).
 
     Returns
     -------
     TrainResult
         The history (dict of lists), the final metrics, steps done, training
         time, throughput and parameter count. With ``checkpoint_path`` the
-        model, optimiser, batch-sampler state and history are saved at every
-        evaluation; ``resume=True`` continues from there and reproduces the
-        uninterrupted run exactly (same batches, same schedule).
+        model, optimiser, batch-sampler and global RNG states and the history
+        are saved (atomically) at every evaluation; ``resume=True`` continues
+        from there and reproduces the uninterrupted run exactly (same batches,
+        same schedule, same random draws), also after a process was killed
+        while writing a checkpoint (the previous one is then resumed).
 
     Raises
     ------
     ValueError
-        For a bad argument (naming it), or a checkpoint that cannot be read
-        safely, is damaged, or belongs to another run (naming the file and
-        what is wrong; nothing is loaded then).
+        Before any step or evaluation: for a bad argument (naming it);
+        ``train_data`` or ``val_data`` holding examples with no scored
+        position (the message gives the count and the fix); data with token
+        ids beyond the model's ``config.vocab_size`` or scored targets beyond
+        the model's outputs per position (read from one forward of one
+        example, which draws nothing from the global RNG); a parameter that is
+        not finite (naming it); a ``checkpoint_path`` that cannot be written
+        (naming it; checked on rank 0). At a resume: a checkpoint that cannot
+        be read safely, is damaged, belongs to another run, or whose
+        optimiser hyper-parameters differ while ``resume_hparams="refuse"``
+        (naming the file and the field); the whole file is checked before
+        anything is loaded, so the model, the optimiser and torch's global
+        RNG are then as they were. After an evaluation: a hook that made a
+        parameter non-finite.
     FloatingPointError
         At the first step whose training loss (or, the loss being finite, its
         gradient norm) is not finite, naming the step: the optimiser step is
         not taken, so the model keeps the last finite parameters. Also when
         an optimiser step turns a parameter non-finite (an overflowing
-        update). The checkpoint file keeps the last evaluation's state.
+        update). The checkpoint file keeps the last evaluation's state: a
+        checkpoint is never written with non-finite parameters.
+
+    Warns
+    -----
+    UserWarning
+        At a resume with ``resume_hparams`` "new" or "checkpoint" whose
+        optimiser hyper-parameters differ, listing the differences and which
+        values apply.
     """
     if not isinstance(config, TrainConfig):
         raise ValueError(f"config must be a TrainConfig, got {type(config).__name__}")
@@ -289,8 +415,12 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
     hooks = tuple(hooks) if isinstance(hooks, (list, tuple)) else hooks
     if not isinstance(hooks, tuple) or not all(callable(h) for h in hooks):
         raise ValueError(f"hooks must be a list or tuple of callables hook(step, metrics), got {hooks!r}")
+    for name, d in (("train_data", train_data), ("val_data", val_data)):
+        _check_scored(d, name)
     device = torch.device(config.device)
     rank, world = _dist()
+    if config.checkpoint_path is not None:
+        _check_checkpoint_path(config.checkpoint_path, rank, world)
     if config.batch_size is not None and config.batch_size % world:
         raise ValueError(f"batch_size={config.batch_size} must be divisible by the world size {world}")
     local_bs = None if config.batch_size is None else config.batch_size // world
@@ -308,27 +438,34 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     opt = optimizer if optimizer is not None else _make_optimizer(module, config)
-    for g in opt.param_groups:  # the schedule scales every group's own peak rate
-        g.setdefault("peak_lr", g["lr"])
     sampler = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
     history = _empty_history()
     start_step, train_time, tokens_seen = 0, 0.0, 0
     loss_since, n_since = 0.0, 0  # training loss accumulated since the last evaluation
 
+    resuming = config.resume and os.path.exists(config.checkpoint_path)
+    if not resuming:  # a resume loads (checked) parameters from the file
+        _check_finite_params(module)
+    _check_outputs(module, train_data, val_data, device, loaded_later=resuming)
     last_saved = None  # the step of the last checkpoint written or resumed from
-    if config.resume and os.path.exists(config.checkpoint_path):
-        # weights only (no code from the file runs); another run's file is refused before anything loads
+    if resuming:
+        # weights only (no code from the file runs); the whole file is checked first, then everything
+        # is restored together or nothing is (another run's file or a damaged one is refused)
         ck = _checkpoint.resume(config.checkpoint_path, config=config, module=module, optimizer=opt,
                                 sampler=sampler, rank=rank, world_size=world, device=device)
         history, start_step = ck["history"], ck["step"]
         train_time, tokens_seen = ck["train_time_s"], ck["tokens_seen"]
         loss_since, n_since = ck["loss_since"], ck["n_since"]
         last_saved = start_step
+    for g in opt.param_groups:  # the schedule scales every group's own peak rate
+        g.setdefault("peak_lr", g["lr"])
 
     def params_finite() -> bool:
         return math.isfinite(float(_total_norm([p.detach() for p in module.parameters()], math.inf)))
 
     def overflowed(at: int) -> FloatingPointError:
+        # the parameters were finite before training, after every evaluation's hooks, and (checked) at a
+        # resume; so an optimiser step of this process made them non-finite
         return _checkpoint.diverged(at, "the optimiser step made a parameter non-finite", config.checkpoint_path,
                                     last_saved, after_step=True)
 
@@ -355,6 +492,10 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
             history[k].append(v)
         for hook in hooks:
             hook(step, dict(entry))
+        if hooks and not params_finite():
+            bad = [n for n, p in module.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+            raise ValueError(f"an evaluation hook made parameter(s) {bad[:5]} non-finite at step {step} (hooks "
+                             f"must not change the parameters' values to inf or NaN); no optimiser step did")
         return entry
 
     if start_step == 0:
@@ -404,6 +545,8 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.3f}")
         if step % config.eval_interval == 0 or step == config.steps:
+            if not params_finite():  # before the hooks see them, and before the save
+                raise overflowed(step)
             entry = log_eval(step, loss_since, n_since)
             loss_since, n_since = 0.0, 0
             if bar is not None:
