@@ -336,6 +336,8 @@ def _stiefel_pair():
     (lambda sd: sd["state"][0].update(exp_avg_sq=torch.zeros(6, 3)),
      r"load_state_dict: param group 0: state of parameter 0: exp_avg_sq has shape \[6, 3\], expected \[\]"),
     (lambda sd: sd["state"][1].pop("exp_avg"), r"param group 1: state of parameter 0: .*exp_avg"),
+    (lambda sd: sd["state"][1].update(step=-3), r"param group 1: state of parameter 0: step must be an int"),
+    (lambda sd: sd["state"][0]["exp_avg"].fill_(float("nan")), r"param group 0: .*exp_avg has non-finite"),
 ])
 def test_load_state_dict_runs_the_same_checks(edit, match):
     # D4 (the same checks on groups that a state dict brings in)
@@ -368,3 +370,30 @@ def test_low_rank_load_state_dict_runs_the_same_checks(edit, match):
         opt.load_state_dict(sd)
     _assert_unchanged(opt, snap)
     opt.load_state_dict(copy.deepcopy(snap[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_d19_stiefel_check_point_tolerance_follows_the_dtype(dtype):
+    # D19: Stiefel.random(...).bfloat16() has max |W^T W - I| = 3.9e-3 and was "not a point" at atol 1e-4
+    for n, p in [(16, 4), (256, 64), (512, 512)]:
+        W = ST.random(n, p, generator=torch.Generator().manual_seed(n)).to(dtype)
+        ok, why = ST.check_point(W)
+        assert ok, why
+    ok, why = ST.check_point((3 * torch.randn(16, 4)).to(dtype))
+    assert not ok and "atol" in why
+    ok, _ = ST.check_point(ST.random(16, 4).to(dtype), atol=1e-4)  # an explicit tolerance still rules
+    assert not ok
+
+
+def test_d4_named_parameters_are_checked_too():
+    # D4: torch's named parameter groups ((name, tensor) pairs) go through the same checks
+    model = nn.Linear(3, 2).double()
+    opt = rr.StiefelAdam(model.named_parameters(), lr=1e-2)
+    assert opt.param_groups[0]["param_names"] == ["weight", "bias"]
+    W = nn.Parameter(3 * torch.randn(6, 3, dtype=F64))
+    with pytest.raises(ValueError, match=r"param group 1: parameter 0 .*not a stack of orthonormal frames"):
+        opt.add_param_group({"params": [("W", W)], "stiefel": True})
+    with pytest.raises(ValueError, match=r"param group 1: parameter 0 is already in param group 0"):
+        opt.add_param_group({"params": [("w", model.weight)]})
+    opt.add_param_group({"params": [("F", _frame(6, 3))], "stiefel": True})
+    assert opt.param_groups[1]["param_names"] == ["F"] and len(opt.param_groups) == 2

@@ -231,6 +231,9 @@ class _AdamBase(Optimizer):
             if key not in st:
                 raise ValueError(f"state of {what}: {key} is missing (expected keys step, "
                                  f"{', '.join(shapes)})")
+        step = st["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"state of {what}: step must be an int >= 1 (the steps taken), got {step!r}")
         for key, want in shapes.items():
             val = st[key]
             if isinstance(want, list):  # a list of tensors, one shape (a tuple) each
