@@ -105,8 +105,9 @@ def _check_float_dtype(p: Tensor, what: str) -> None:
     if p.dtype in _HALF:
         raise ValueError(
             f"{what} is {str(p.dtype).replace('torch.', '')}: half precision is not supported for frames and "
-            "factor pairs (their SVD and QR steps need float32 or float64, and a step of size lr is below "
-            "half precision's resolution); keep these parameters in float32 (run the forward under autocast)")
+            "factor pairs (their SVD and QR steps need float32 or float64, and rounding to half precision "
+            "loses most of a step of size lr); keep these parameters in float32 (run the forward under "
+            "autocast)")
     if p.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"{what} must be float32 or float64, got {p.dtype}")
 
