@@ -337,6 +337,8 @@ def _stiefel_pair():
      r"load_state_dict: param group 0: state of parameter 0: exp_avg_sq has shape \[6, 3\], expected \[\]"),
     (lambda sd: sd["state"][1].pop("exp_avg"), r"param group 1: state of parameter 0: .*exp_avg"),
     (lambda sd: sd["state"][1].update(step=-3), r"param group 1: state of parameter 0: step must be an int"),
+    (lambda sd: sd["param_groups"][0].pop("trust_radius"), r"load_state_dict: param group 0 lacks trust_radius"),
+    (lambda sd: sd["param_groups"][1].pop("stiefel"), r"load_state_dict: param group 1 lacks stiefel"),
     (lambda sd: sd["state"][0]["exp_avg"].fill_(float("nan")), r"param group 0: .*exp_avg has non-finite"),
 ])
 def test_load_state_dict_runs_the_same_checks(edit, match):

@@ -209,7 +209,11 @@ class _AdamBase(Optimizer):
             for gi, (saved, cur) in enumerate(zip(groups, self.param_groups)):
                 if not isinstance(saved, dict) or len(saved.get("params", ())) != len(cur["params"]):
                     continue
-                merged = {**self.defaults, **saved, "params": cur["params"]}
+                missing = [k for k in self.defaults if k not in saved]
+                if missing:  # torch would load the group without them, and the next step would fail
+                    raise ValueError(f"{type(self).__name__}.load_state_dict: param group {gi} lacks "
+                                     f"{', '.join(missing)} (a state dict of another optimiser or version?)")
+                merged = {**saved, "params": cur["params"]}
                 if isinstance(merged["betas"], list):
                     merged["betas"] = tuple(merged["betas"])
                 self._check_group(merged, gi, ".load_state_dict")
