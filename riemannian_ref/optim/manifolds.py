@@ -84,7 +84,14 @@ def _same_shape(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
 
 
 def _default_tol(dtype: torch.dtype) -> float:
-    return 1e-10 if dtype == torch.float64 else 1e-4
+    """Orthonormality tolerance of a dtype: 1e-10 in float64, 1e-4 in float32, and twice the unit round-off
+    in float16 and bfloat16, where a float32 frame cast to half precision has max |W^T W - I| up to about
+    half of it (the diagonal's rounding, whatever the size)."""
+    if dtype == torch.float64:
+        return 1e-10
+    if dtype in (torch.float16, torch.bfloat16):
+        return 2.0 * torch.finfo(dtype).eps
+    return 1e-4
 
 
 # ---------------------------------------------------------------------------
@@ -104,7 +111,9 @@ class Stiefel:
     ----------
     atol : float, optional
         Tolerance of :meth:`check_point` on :math:`|W^\\top W - I|_\\infty`;
-        default ``1e-10`` in float64 and ``1e-4`` otherwise.
+        default ``1e-10`` in float64, ``1e-4`` in float32 and twice the unit
+        round-off in float16 and bfloat16 (a float32 frame cast to half
+        precision passes).
     """
 
     name = "Stiefel(euclidean metric, polar retraction)"
@@ -265,6 +274,8 @@ class Stiefel:
         if n < p:
             return False, f"a frame needs n >= p, got shape {shape_str(x)}"
         tol = atol if atol is not None else (self.atol if self.atol is not None else _default_tol(x.dtype))
+        if x.dtype in (torch.float16, torch.bfloat16):
+            x = x.float()  # the Gram matrix of half-precision frames, accumulated in float32
         eye = torch.eye(p, dtype=x.dtype, device=x.device)
         err = (x.transpose(-1, -2) @ x - eye).abs().max().item() if x.numel() else 0.0
         if not err <= tol:
