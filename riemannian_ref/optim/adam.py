@@ -209,7 +209,8 @@ class _AdamBase(Optimizer):
             for gi, (saved, cur) in enumerate(zip(groups, self.param_groups)):
                 if not isinstance(saved, dict) or len(saved.get("params", ())) != len(cur["params"]):
                     continue
-                missing = [k for k in self.defaults if k not in saved]
+                # "differentiable": torch's __setstate__ (load_state_dict, deepcopy) adds it to defaults only
+                missing = [k for k in self.defaults if k not in saved and k != "differentiable"]
                 if missing:  # torch would load the group without them, and the next step would fail
                     raise ValueError(f"{type(self).__name__}.load_state_dict: param group {gi} lacks "
                                      f"{', '.join(missing)} (a state dict of another optimiser or version?)")
