@@ -399,3 +399,14 @@ def test_d4_named_parameters_are_checked_too():
         opt.add_param_group({"params": [("w", model.weight)]})
     opt.add_param_group({"params": [("F", _frame(6, 3))], "stiefel": True})
     assert opt.param_groups[1]["param_names"] == ["F"] and len(opt.param_groups) == 2
+
+
+@pytest.mark.parametrize("cls,key", [("StiefelAdam", "stifel"), ("StiefelAdam", "weight_decy"),
+                                     ("LowRankAdam", "geometri")])
+def test_a_misspelled_group_key_is_refused_and_a_label_is_not(cls, key):  # D4: a typo would be ignored
+    W = nn.Parameter(rr.Stiefel().random(6, 3, generator=torch.Generator().manual_seed(0)))
+    opt_cls = getattr(rr, cls)
+    with pytest.raises(ValueError, match=rf"param group 0: unknown key '{key}' \(did you mean"):
+        opt_cls([{"params": [W], key: True}])
+    opt = opt_cls([{"params": [W], "name": "frames"}])  # an unrelated key is a label, as in torch
+    assert opt.param_groups[0]["name"] == "frames"

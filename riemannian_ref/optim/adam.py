@@ -39,6 +39,8 @@ two places. A refused group leaves the optimiser as it was.
 """
 from __future__ import annotations
 
+import difflib
+
 from typing import Iterable
 
 import torch
@@ -143,10 +145,21 @@ class _AdamBase(Optimizer):
     def _check_group(self, group: dict, gi: int, where: str = "") -> None:
         """Raise ``ValueError`` naming the group if it cannot be stepped; changes nothing."""
         try:
+            self._check_keys(group)
             self._check_settings(group)
             self._check_params(group)
         except ValueError as exc:
             raise ValueError(f"{type(self).__name__}{where}: param group {gi}: {exc}") from None
+
+    def _check_keys(self, group: dict) -> None:
+        """Refuse a key that looks like a misspelled setting (``"stifel"``); other extra keys are labels."""
+        known = set(self.defaults) | {"params", "param_names", "peak_lr", "stiefel", "geometry"}
+        for key in group:
+            if isinstance(key, str) and key not in known:
+                near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+                if near:
+                    raise ValueError(f"unknown key {key!r} (did you mean {near[0]!r}? a misspelled setting "
+                                     f"would be ignored)")
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group after the same checks as the constructor's (which calls this for every group).
