@@ -366,8 +366,10 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
         if not torch.compiler.is_compiling() and not reading_syncs(rows):
             rows = rows if bool(rows.any()) else None
     # the mask keeps its own batch shape (a key-padding mask [B, 1, 1, n_k] stays O(B n_k))
-    # eagerly the autograd Function; while torch.compile traces, the same operator as a custom op (_op.py)
-    fn = TracedRiemannianAttentionFn if torch.compiler.is_compiling() else _RiemannianAttentionFn
+    # eagerly the autograd Function; while torch.compile traces, the same operator as a custom op (_op.py), and
+    # on meta tensors too (its fake implementation gives the shapes; the eager operator reads values)
+    fn = TracedRiemannianAttentionFn if torch.compiler.is_compiling() or query.device.type == "meta" \
+        else _RiemannianAttentionFn
     out = fn.apply(qf.contiguous(), kf.contiguous(), vf.contiguous(), lamf, W,
                    Ukf.contiguous() if Ukf is not None else None,
                    Uqf.contiguous() if Uqf is not None else None,
