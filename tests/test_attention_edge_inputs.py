@@ -225,3 +225,25 @@ def test_scales_refused_name_scale(scale, gen):
     q, k, v = _qkv(gen)
     with pytest.raises(ValueError, match="scale must be"):
         rr.riemannian_attention(q, k, v, scale=scale)
+
+
+def test_subspace_factors_follow_the_range_rule(gen):
+    # D9: factors in a shared subspace (computed on SDPA, never multiplied out) count in the bound too
+    from riemannian_ref.geometry.metric import SubspaceFactors
+
+    q, k, v = _qkv(gen)
+    basis = torch.linalg.qr(torch.randn(1, 2, 4, 2, generator=gen)).Q
+    coef = torch.randn(2, 2, 6, 2, 3, generator=gen)
+    for c, ok in ((1.0, True), (1e18, False)):
+        U = SubspaceFactors(basis, c * coef)
+        calls = [lambda: rr.riemannian_attention(q, k, v, U_k=U),
+                 lambda: rr.riemannian_attention_reference(q, k, v, U_k=U.dense())]
+        for call in calls:
+            if ok:
+                out = call()
+                want = rr.riemannian_attention_reference(q.double(), k.double(), v.double(),
+                                                         U_k=U.dense().double())
+                torch.testing.assert_close(out.double(), want, rtol=0, atol=1e-4)
+            else:
+                with pytest.raises(ValueError, match="lam, scale"):
+                    call()

@@ -81,7 +81,8 @@ def check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q,
 RANGE_MARGIN = 16.0
 
 
-def check_score_range(q: Tensor, k: Tensor, U_q, U_k, lam_t: Tensor, scale: float, metric_side: str) -> None:
+def check_score_range(q: Tensor, k: Tensor, U_q, U_k, lam_t: Tensor, scale: float, metric_side: str, *,
+                      factors=()) -> None:
     r"""Refuse a call whose distances or scores could overflow the compute dtype, naming ``lam`` and ``scale``.
 
     The bound :math:`R = \max(1, \text{scale}/2)\,(\max\lambda + w\max|U_k|_F^2 + w\max|U_q|_F^2)
@@ -92,7 +93,8 @@ def check_score_range(q: Tensor, k: Tensor, U_q, U_k, lam_t: Tensor, scale: floa
     and give 0, the operators NaN); refused instead, on every backend alike. Checked like
     ``lam``'s values (:func:`~riemannian_ref._checks.check_values`: eager on CPU, queued on the
     device elsewhere, no host sync); NaN inputs pass (NaN out, as SDPA); meta tensors and empty
-    inputs are not checked.
+    inputs are not checked. ``factors``: :class:`~riemannian_ref.geometry.metric.SubspaceFactors`
+    counted by the bound :math:`|B C|_F \le |B|_F |C|_F` (not multiplied out).
     """
     if q.device.type == "meta" or q.numel() == 0 or k.numel() == 0:
         return
@@ -105,6 +107,9 @@ def check_score_range(q: Tensor, k: Tensor, U_q, U_k, lam_t: Tensor, scale: floa
         for U in (U_q, U_k):
             if isinstance(U, Tensor) and U.numel():
                 iso = iso + w * norm(U, (-2, -1)).square()
+        for S in factors:
+            if S.basis.numel() and S.coef.numel():
+                iso = iso + w * (norm(S.basis, (-2, -1)) * norm(S.coef, (-2, -1))).square()
         # factors first: (|q| + |k|)^2 of huge inputs overflows alone, and inf is refused too
         R = iso * (norm(q, -1) + norm(k, -1)).square() * max(1.0, scale / 2)
         ok = ~(R > limit)

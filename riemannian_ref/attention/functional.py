@@ -27,7 +27,7 @@ from .._checks import reading_syncs, shape_str
 from ..geometry.metric import SubspaceFactors
 from ._blockwise import _RiemannianAttentionFn, block_sizes_for
 from ._op import TracedRiemannianAttentionFn
-from ._validate import autocast_dtype, check_attention_inputs
+from ._validate import autocast_dtype, check_attention_inputs, check_score_range
 from .reference import _reference_attention
 
 __all__ = ["riemannian_attention"]
@@ -533,6 +533,9 @@ def _subspace_attention(query, key, value, attn_mask, dropout_p, is_causal, scal
             U_q, U_k = (U if isinstance(U, SubspaceFactors) else P for U, P in ((U_q, Pq), (U_k, Pk)))
     lam_t, scale, per_q, per_k, batch = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal,
                                                                scale, Pq, Pk, lam, metric_side)
+    # the range rule with the factors' own size (the stand-ins above are zeros): |B C|_F <= |B|_F |C|_F
+    sub = [U for U in (U_q, U_k) if isinstance(U, SubspaceFactors)]
+    check_score_range(query, key, None, None, lam_t, scale, metric_side, factors=sub)
     blocks = _check_block_sizes(block_sizes) if block_sizes is not None else None
     other = U_k if isinstance(U_q, SubspaceFactors) else U_q
     other_per_token = isinstance(other, Tensor) and other.dim() == (key if other is U_k else query).dim() + 1 \
