@@ -247,3 +247,21 @@ def test_subspace_factors_follow_the_range_rule(gen):
             else:
                 with pytest.raises(ValueError, match="lam, scale"):
                     call()
+
+
+def test_the_range_rule_reads_no_value_off_the_cpu(monkeypatch, gen):
+    # D9: on a device whose values cost a sync to read (CUDA), the range check is queued on the device
+    # (torch._assert_async: a RuntimeError with the message), never read on the host
+    from riemannian_ref import _checks
+    from riemannian_ref.attention import functional
+
+    monkeypatch.setattr(_checks, "reading_syncs", lambda t: True)
+    monkeypatch.setattr(functional, "reading_syncs", lambda t: True)
+    monkeypatch.delenv("RR_SYNC_CHECKS", raising=False)
+    q, k, v = _qkv(gen)
+    Uk = torch.randn(*k.shape, 2, generator=gen)
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda self: pytest.fail("bool(tensor): a host sync"))
+    assert rr.riemannian_attention(q, k, v).shape == (2, 2, 4, 2)  # (the CPU operator itself reads values)
+    for kw in ({}, dict(U_k=Uk)):
+        with pytest.raises(RuntimeError, match="lam, scale and the inputs are too large"):
+            rr.riemannian_attention(q, k, v, lam=1e38, **kw)
