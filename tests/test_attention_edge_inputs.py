@@ -209,8 +209,6 @@ def test_scales_sdpa_accepts(scale, gen):
         out = rr.riemannian_attention(q, k, v, scale=scale, **kw)
         torch.testing.assert_close(out, rr.riemannian_attention_reference(q, k, v, scale=float(scale), **kw),
                                    rtol=0, atol=1e-12)
-    if not kw:
-        pass
     # SDPA agrees with the distance form for the same scale (no factor, lam 1: a key bias, see test_sdpa_compat)
     bias = -float(scale) / 2 * k.square().sum(-1).unsqueeze(-2)
     torch.testing.assert_close(rr.riemannian_attention(q, k, v, scale=scale),
