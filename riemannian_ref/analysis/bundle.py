@@ -270,8 +270,9 @@ def metric_compatibility_defect(lam, U: Tensor, rates: Tensor, pairs: Tensor,
         How an edge reads its rate.
     relative : bool
         Divide by the heterogeneity :math:`\|G_i - G_j\|_F`: per pair when
-        ``reduce=False`` (0/0 counts as 0), the ratio of the two averages when
-        ``reduce=True``.
+        ``reduce=False``, the ratio of the two averages when ``reduce=True``;
+        where the heterogeneity is 0, 0 if the defect is 0 too and ``inf``
+        otherwise, never 0/0.
     """
     U = check_tensor(U, "U", min_dim=3)
     rates, p = _check_rates(rates, positions)
@@ -302,9 +303,22 @@ def metric_compatibility_defect(lam, U: Tensor, rates: Tensor, pairs: Tensor,
     hetero = _compatibility(U[..., i, :, :], U[..., j, :, :], lam_tok[..., i] - lam_tok[..., j],
                             torch.zeros_like(ang))  # |G_i - G_j|_F                    (..., T)
     if reduce:
-        return defect.mean(-1) / hetero.mean(-1)
-    return torch.where(hetero > 0, defect / hetero.clamp_min(torch.finfo(hetero.dtype).tiny),
-                       torch.where(defect > 0, torch.inf, 0.0))
+        defect, hetero = defect.mean(-1), hetero.mean(-1)
+    return _relative_defect(defect, hetero)
+
+
+def _relative_defect(defect: Tensor, hetero: Tensor) -> Tensor:
+    r"""``defect / hetero``, with the convention of equal metrics where ``hetero`` is 0: never 0/0.
+
+    Where the metrics are all equal (heterogeneity 0) a defect can come from
+    the transport alone: the ratio is then 0 when the defect is 0 too (for
+    instance :math:`G = \lambda I`, which every rotation preserves exactly:
+    ``metric_rank=0``, or factors at 0), and ``inf`` when it is not (one
+    shared metric that the transport does not preserve). NaN only from NaN.
+    """
+    ok = hetero > 0
+    return torch.where(ok, defect / torch.where(ok, hetero, torch.ones_like(hetero)),
+                       torch.where(defect > 0, torch.inf, torch.where(defect == 0, 0.0, defect)))
 
 
 def _compatibility(U_i: Tensor, U_j: Tensor, c: Tensor, ang: Tensor) -> Tensor:
@@ -319,4 +333,6 @@ def _compatibility(U_i: Tensor, U_j: Tensor, c: Tensor, ang: Tensor) -> Tensor:
     sign = torch.cat([torch.ones(A.shape[-1]), -torch.ones(Bm.shape[-1])]).to(M)
     low = ((R * sign) @ R.transpose(-1, -2)).pow(2).sum((-1, -2))  # |A A^T - B B^T|_F^2   (..., T)
     sq = d * c * c + 2 * c * (A.pow(2).sum((-1, -2)) - Bm.pow(2).sum((-1, -2))) + low
-    return sq.clamp_min(0).sqrt()  # (..., T)
+    # equal metrics (P^T U_i = U_j exactly, same lam): exactly 0, not the QR's rounding (which a ratio would blow up)
+    same = (A == Bm).all(-1).all(-1) & (c == 0)
+    return torch.where(same, 0.0, sq.clamp_min(0).sqrt())  # (..., T)

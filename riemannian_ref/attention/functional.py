@@ -27,7 +27,7 @@ from .._checks import reading_syncs, shape_str
 from ..geometry.metric import SubspaceFactors
 from ._blockwise import _RiemannianAttentionFn, block_sizes_for
 from ._op import TracedRiemannianAttentionFn
-from ._validate import autocast_dtype, check_attention_inputs
+from ._validate import autocast_dtype, check_attention_inputs, check_score_range
 from .reference import _reference_attention
 
 __all__ = ["riemannian_attention"]
@@ -45,8 +45,11 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
     of :func:`riemannian_ref.geometry.scores.riemannian_scores`, blockwise: the
     score matrix and the pairwise rank products are never formed whole. Any
     call that works with ``scaled_dot_product_attention`` (positional or by
-    keyword) works unchanged; with no metric factors it is distance attention
-    with :math:`G = \lambda I`.
+    keyword) works unchanged, with the same output shape and dtype (meta
+    tensors included), within two limits on values: ``scale`` must be finite
+    and positive (a distance score with ``scale <= 0`` would favour far keys),
+    and the scores must fit the compute dtype (see ``lam``). With no metric
+    factors it is distance attention with :math:`G = \lambda I`.
 
     Parameters
     ----------
@@ -75,7 +78,11 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         ``j <= i``), as ``scaled_dot_product_attention``; unlike SDPA it may be
         combined with ``attn_mask`` (both apply).
     scale : float, optional
-        :math:`1/\tau`, default :math:`1/\sqrt d`.
+        :math:`1/\tau`, default :math:`1/\sqrt d` (1 when ``d = 0``: then
+        every distance is 0 and the weights are uniform over the visible
+        keys, SDPA's result). What SDPA takes: a Python or NumPy int or
+        float, or a 0-d real tensor without gradient (read on the host, as
+        SDPA reads it); finite and ``> 0``.
     U_q : Tensor, shape [..., n_q, d, r] or [..., d, r], or SubspaceFactors, optional
         Query metric factors (per token, or one shared metric); for
         ``metric_side`` ``"query"`` and ``"mean"``. Per-token factors that
@@ -95,6 +102,19 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         tensor's values are checked without a host sync off the CPU: on CUDA
         a bad value raises ``RuntimeError`` when the device reaches the check
         (``ValueError`` with ``RR_SYNC_CHECKS=1``, and always on CPU).
+        Range: the scores must fit the compute dtype (float32 for half
+        inputs, whose ``lam`` is held in their dtype). A call is refused,
+        naming ``lam`` and ``scale``, when the bound
+        :math:`\max(1, \text{scale}/2)\,(\max\lambda + w\max|U|_F^2)
+        (\max_i|q_i| + \max_j|k_j|)^2` (:math:`w = 1/2` for ``"mean"``, else
+        1; the factors of both sides), which holds every squared distance
+        and every score, exceeds the dtype's largest finite number over 16;
+        checked on the device like ``lam``'s values (no host sync; inf
+        inputs are refused by it, NaN inputs give NaN as in SDPA). Below it
+        every path (SDPA, the blockwise operator, the Triton kernels, the
+        dense reference) computes the same function: no score rounds to
+        ``-inf`` and no row is read as masked because of its size. SDPA
+        itself gives NaN where its scores overflow; a refusal says why.
     metric_side : {"key", "query", "mean"}
         Whose metric measures a pair: :math:`G_j`, :math:`G_i` or
         :math:`(G_i + G_j)/2`.
@@ -119,6 +139,11 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
 
     Notes
     -----
+    Meta tensors: the call returns an output of the right shape and dtype
+    on the meta device, as SDPA does (values are not checked there; the
+    blockwise operator runs as its registered custom op, whose fake
+    implementation gives the shapes, gradients included).
+
     Cost: the scores of a ``(query block, key block)`` tile are one matrix
     product of width ``(1 + r) * bk`` (plus a second one of ``r * bq`` rows for
     the query side of ``"mean"``/``"query"``), so score FLOPs are ``1 + r``
@@ -366,8 +391,10 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
         if not torch.compiler.is_compiling() and not reading_syncs(rows):
             rows = rows if bool(rows.any()) else None
     # the mask keeps its own batch shape (a key-padding mask [B, 1, 1, n_k] stays O(B n_k))
-    # eagerly the autograd Function; while torch.compile traces, the same operator as a custom op (_op.py)
-    fn = TracedRiemannianAttentionFn if torch.compiler.is_compiling() else _RiemannianAttentionFn
+    # eagerly the autograd Function; while torch.compile traces, the same operator as a custom op (_op.py), and
+    # on meta tensors too (its fake implementation gives the shapes; the eager operator reads values)
+    fn = TracedRiemannianAttentionFn if torch.compiler.is_compiling() or query.device.type == "meta" \
+        else _RiemannianAttentionFn
     out = fn.apply(qf.contiguous(), kf.contiguous(), vf.contiguous(), lamf, W,
                    Ukf.contiguous() if Ukf is not None else None,
                    Uqf.contiguous() if Uqf is not None else None,
@@ -506,6 +533,9 @@ def _subspace_attention(query, key, value, attn_mask, dropout_p, is_causal, scal
             U_q, U_k = (U if isinstance(U, SubspaceFactors) else P for U, P in ((U_q, Pq), (U_k, Pk)))
     lam_t, scale, per_q, per_k, batch = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal,
                                                                scale, Pq, Pk, lam, metric_side)
+    # the range rule with the factors' own size (the stand-ins above are zeros): |B C|_F <= |B|_F |C|_F
+    sub = [U for U in (U_q, U_k) if isinstance(U, SubspaceFactors)]
+    check_score_range(query, key, None, None, lam_t, scale, metric_side, factors=sub)
     blocks = _check_block_sizes(block_sizes) if block_sizes is not None else None
     other = U_k if isinstance(U_q, SubspaceFactors) else U_q
     other_per_token = isinstance(other, Tensor) and other.dim() == (key if other is U_k else query).dim() + 1 \

@@ -107,10 +107,20 @@ def riemannian_attention_reference(query: Tensor, key: Tensor, value: Tensor, at
     Notes
     -----
     Memory :math:`O(n_q n_k r)`; differentiable by autograd to any order
-    (gradient penalties), which the blockwise operator is not.
+    (gradient penalties), which the blockwise operator is not. Float16 and
+    bfloat16 inputs are computed in float32 and returned in their dtype, as
+    the operator computes them. The range of ``lam`` and ``scale`` is the
+    operator's: a call whose scores could overflow the compute dtype is
+    refused (see :func:`~riemannian_ref.attention.functional.riemannian_attention`),
+    so an overflowed score never reads as a masked key.
     """
     lam_t, scale, per_q, per_k, _ = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal,
                                                            scale, U_q, U_k, lam, metric_side)
+    if query.dtype in (torch.float16, torch.bfloat16):  # computed in float32, as every other path computes them
+        up = lambda t: t.float() if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
+        res = _reference_attention(*map(up, (query, key, value, attn_mask)), dropout_p, is_causal, scale, up(U_q),
+                                   up(U_k), up(lam_t), metric_side, per_q, per_k, return_weights)
+        return tuple(t.to(query.dtype) for t in res) if return_weights else res.to(query.dtype)
     return _reference_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam_t,
                                 metric_side, per_q, per_k, return_weights)
 

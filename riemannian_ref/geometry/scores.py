@@ -23,7 +23,9 @@ module materialises them (``[..., n_q, n_k, r]``); the blockwise operator in
 from __future__ import annotations
 
 import math
+import numbers
 
+import torch
 from torch import Tensor
 
 from .._checks import as_positive, broadcast_batch, check_same, check_tensor, shape_str
@@ -121,11 +123,30 @@ def _check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale, names=("q", "k"
         )
     lam_t = as_positive(lam, "lam", q)
     broadcast_batch({"lam": lam_t.shape, f"{qn}.shape[:-2]": q.shape[:-2]})
+    return lam_t, check_scale(scale, q.shape[-1]), per_q, per_k
+
+
+def check_scale(scale, d: int) -> float:
+    r"""``scale`` as a Python float: ``None`` gives :math:`1/\sqrt d` (1 when ``d = 0``).
+
+    Accepts what ``scaled_dot_product_attention`` accepts as a real number: a
+    Python or NumPy int or float, or a 0-d real tensor without gradient (read
+    on the host, as SDPA reads it); the value must be finite and ``> 0``.
+    With ``d = 0`` every distance is 0, whatever the scale: the weights are
+    uniform over the visible keys, SDPA's result there.
+    """
     if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a finite positive float or None, got {scale!r}")
-    return lam_t, float(scale), per_q, per_k
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
+    v = scale
+    if isinstance(v, Tensor):
+        if v.dim() != 0 or v.requires_grad or v.is_complex() or v.dtype == torch.bool or v.device.type == "meta":
+            raise ValueError(f"scale must be a finite positive number or None (a tensor: 0-d, real, on a device "
+                             f"with values, without gradient), got a tensor of shape {shape_str(v)}, dtype "
+                             f"{v.dtype} on {v.device}" + (" that requires grad" if v.requires_grad else ""))
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v > 0):
+        raise ValueError(f"scale must be a finite positive number or None, got {scale!r}")
+    return float(v)
 
 
 def _lam_scores(lam: Tensor) -> Tensor:

@@ -113,6 +113,7 @@ Llama, Qwen2 and Mistral).
 from __future__ import annotations
 
 import inspect
+import math
 from typing import NamedTuple
 
 import torch
@@ -120,7 +121,7 @@ from torch import Tensor, nn
 
 from .._checks import shape_str
 from ..attention.functional import riemannian_attention
-from ..geometry.metric import LAM_MIN, MetricNet
+from ..geometry.metric import LAM_MIN, MetricNet, raw_from_lam
 
 try:
     import transformers
@@ -241,8 +242,10 @@ class HeadMetric(nn.Module):
         super().__init__()
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, got {side!r}")
-        if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1:
-            raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
+        for name, v, low in (("n_heads", n_heads, 1), ("head_dim", head_dim, 1), ("rank", rank, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                what = "a positive int" if low else "an int >= 0"
+                raise ValueError(f"HeadMetric: {name} must be {what}, got {v!r}")
         self.side, self.n_heads, self.head_dim, self.rank = side, n_heads, head_dim, rank
         self.heads = nn.ModuleList(MetricNet(head_dim, 1, head_dim, rank, lam_init=lam_init, lam_min=lam_min,
                                              strength=strength) for _ in range(n_heads))
@@ -630,12 +633,27 @@ def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
     Returns
     -------
     transformers.PreTrainedModel
+        (with ``output_loading_info=True``, the pair ``(model, loading_info)``).
+
+    Raises
+    ------
+    ValueError
+        Naming the config's path and the key, when the recorded entry is not
+        exactly the settings :func:`attach` records (``rank``, ``side``,
+        ``lam_init``, ``lam_min``, ``strength``) with values it accepts, or
+        when the saved checkpoint lacks weights of the metric networks that
+        entry describes (a ``side`` changed on a grouped-query model gives more
+        heads). A changed ``rank`` is refused by ``transformers`` (a size
+        mismatch). A ``side`` swapped on a model whose key and query heads
+        are equally many cannot be told from the weights (same shapes): it
+        loads, and the metric reads the other side's states.
     """
     config = kwargs.pop("config", None) or transformers.AutoConfig.from_pretrained(path)
     spec = getattr(config, CONFIG_KEY, None)
     if not isinstance(spec, dict):
         raise ValueError(f"the config at {path} has no {CONFIG_KEY!r} entry: it was not saved after attach(); "
                          "load it with transformers and call attach()")
+    _check_spec(spec, path)
     cls = _model_class(model_class or transformers.AutoModelForCausalLM, config)
 
     def __init__(self, config, *args, **kw):
@@ -648,4 +666,48 @@ def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
                                            "__qualname__": cls.__qualname__})
     register()
     kwargs.setdefault("attn_implementation", NAME)
-    return switched.from_pretrained(path, config=config, **kwargs)
+    wants_info = kwargs.pop("output_loading_info", False)
+    model, info = switched.from_pretrained(path, config=config, output_loading_info=True, **kwargs)
+    # metric weights the checkpoint lacks: the recorded spec does not describe the saved metric networks (a
+    # side changed on a grouped-query model gives more heads); transformers would initialise them afresh
+    missing = sorted(k for k in info.get("missing_keys", ()) if f"{METRIC_ATTR}." in k)
+    if missing:
+        raise ValueError(f"the {CONFIG_KEY!r} entry of the config at {path} ({spec}) does not match the saved "
+                         f"metric networks: {len(missing)} of their weights are missing from the checkpoint, "
+                         f"e.g. {missing[0]!r}; restore the entry that attach() recorded")
+    return (model, info) if wants_info else model
+
+
+#: The settings :func:`attach` records in ``model.config``, and what each must be.
+_SPEC_FIELDS = ("rank", "side", "lam_init", "lam_min", "strength")
+
+
+def _check_spec(spec: dict, path) -> None:
+    """The recorded ``riemannian_metric`` entry of a saved config: exactly :func:`attach`'s settings, valid.
+
+    Raises ``ValueError`` naming the config's path and the key. A value read from
+    JSON may be an int where attach took a float (``1`` for ``1.0``).
+    """
+    where = f"the {CONFIG_KEY!r} entry of the config at {path}"
+    unknown = sorted(set(spec) - set(_SPEC_FIELDS), key=str)
+    missing = [k for k in _SPEC_FIELDS if k not in spec]
+    if unknown or missing:
+        raise ValueError(f"{where} must have exactly the keys {list(_SPEC_FIELDS)} that attach() records; "
+                         + (f"unknown: {unknown}" if unknown else "") + ("; " if unknown and missing else "")
+                         + (f"missing: {missing}" if missing else ""))
+
+    def number(key, ok, want):
+        v = spec[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+            raise ValueError(f"{where}: {key} must be {want}, got {v!r}")
+
+    r = spec["rank"]
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        raise ValueError(f"{where}: rank must be an int >= 0, got {r!r}")
+    if spec["side"] not in SIDES:
+        raise ValueError(f"{where}: side must be one of {SIDES}, got {spec['side']!r}")
+    number("strength", lambda v: v >= 0, "a finite number >= 0")
+    try:  # lam_init and lam_min by the rule attach() applies
+        raw_from_lam(spec["lam_init"], spec["lam_min"])
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None

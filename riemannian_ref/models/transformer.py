@@ -250,7 +250,10 @@ class FiberBundleTransformer(nn.Module):
             of the stream, averaged over the batch) and, in metric modes,
             ``"lam"``, ``"holonomy"``, ``"transport_closure"`` (on the keys),
             ``"metric_compatibility"`` (relative to the heterogeneity: 1 is
-            no better than no transport) and ``"metric_heterogeneity"``
+            no better than no transport; where every metric of a head is the
+            same, 0 when the transport preserves it, as for
+            :math:`G = \\lambda I` with ``metric_rank=0`` or factors at 0, and
+            ``inf`` when it does not) and ``"metric_heterogeneity"``
             (:math:`\\|G_i - G_j\\|_F`), each [L, h], averaged over the batch
             and ``diagnostic_samples`` fixed random triangles/pairs
             (:mod:`riemannian_ref.analysis.bundle`).
@@ -313,7 +316,7 @@ class FiberBundleTransformer(nn.Module):
 
     @torch.no_grad()
     def _diagnostics(self, H: Tensor, n_samples: int) -> dict:
-        from ..analysis.bundle import (holonomy_defect, metric_compatibility_defect, sample_pairs,
+        from ..analysis.bundle import (_relative_defect, holonomy_defect, metric_compatibility_defect, sample_pairs,
                                        sample_triangles, transport_closure_defect)
         from ..geometry.transport import connection_rates, edge_rule
 
@@ -343,11 +346,13 @@ class FiberBundleTransformer(nn.Module):
                 U = U.dense()
             if U.dim() == 4:  # shared [1, h, d, r]: the same metric for every token
                 U = U.unsqueeze(2).expand(B, h, n, *U.shape[-2:])
+            elif U.shape[0] != B:  # a position metric [1, h, n, d, r]: the same for every sequence (D7)
+                U = U.expand(B, *U.shape[1:])
             hol.append(holonomy_defect(rates, tri, rule=rule).expand(B, h).mean(0))  # (h,)
             clo.append(transport_closure_defect(k, rates, tri, rule=rule).mean(0))  # (h,)
             defect = metric_compatibility_defect(lam.view(h, 1), U, rates, pairs, rule=rule)  # (B, h)
             hetero = metric_compatibility_defect(lam.view(h, 1), U, torch.zeros_like(rates), pairs)
-            comp.append(defect.mean(0) / hetero.mean(0))  # (h,)
+            comp.append(_relative_defect(defect.mean(0), hetero.mean(0)))  # (h,); equal metrics: 0, not 0/0
             het.append(hetero.mean(0))  # (h,)
         out["lam"] = torch.stack(lams)  # (L, h)
         if hol:
