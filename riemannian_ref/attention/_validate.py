@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .._checks import broadcast_batch, check_same, check_tensor, check_values, shape_str
+from .. import _checks
 from ..geometry.scores import _check_score_inputs
 
 __all__: list[str] = []
@@ -38,8 +39,12 @@ def check_mask(attn_mask, n_q: int, n_k: int, q: Tensor) -> Tensor | None:
     return attn_mask
 
 
-def check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side):
+def check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam, metric_side, *,
+                           full_range: bool = False):
     """Validate a call; return ``(lam, scale, per_q, per_k, batch)``.
+
+    ``full_range``: the range rule over the data too (the dense references), else over ``lam`` and
+    ``scale`` alone (the operators: no extra pass over the inputs); see :func:`check_score_range`.
 
     ``batch`` is the broadcast batch shape of query, key, value and the metric
     factors. ``lam`` and ``attn_mask`` must broadcast *to* it: they may not
@@ -72,7 +77,7 @@ def check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q,
     if attn_mask is not None and not _broadcasts_to(attn_mask.shape[:-2], batch):
         raise ValueError(f"attn_mask batch dims {shape_str(attn_mask.shape[:-2])} must broadcast to the "
                          f"batch {shape_str(batch)} of query, key and value")
-    check_score_range(q, k, U_q, U_k, lam_t, scale, metric_side)
+    check_score_range(q, k, U_q, U_k, lam_t, scale, metric_side, data=full_range)
     return lam_t, scale, per_q, per_k, batch
 
 
@@ -82,34 +87,49 @@ RANGE_MARGIN = 16.0
 
 
 def check_score_range(q: Tensor, k: Tensor, U_q, U_k, lam_t: Tensor, scale: float, metric_side: str, *,
-                      factors=()) -> None:
+                      data: bool = True) -> None:
     r"""Refuse a call whose distances or scores could overflow the compute dtype, naming ``lam`` and ``scale``.
 
-    The bound :math:`R = \max(1, \text{scale}/2)\,(\max\lambda + w\max|U_k|_F^2 + w\max|U_q|_F^2)
-    \,(\max_i|q_i| + \max_j|k_j|)^2` (:math:`w = 1/2` for ``"mean"``, else 1) holds every squared
-    distance :math:`(q_i-k_j)^\top G (q_i-k_j)` and every score; it must stay below the largest
-    finite number of the compute dtype (float32 for half-precision inputs) over ``RANGE_MARGIN``.
-    Beyond it a score can round to ``-inf`` (the dense reference would then read a row as masked
-    and give 0, the operators NaN); refused instead, on every backend alike. Checked like
-    ``lam``'s values (:func:`~riemannian_ref._checks.check_values`: eager on CPU, queued on the
-    device elsewhere, no host sync); NaN inputs pass (NaN out, as SDPA); meta tensors and empty
-    inputs are not checked. ``factors``: :class:`~riemannian_ref.geometry.metric.SubspaceFactors`
-    counted by the bound :math:`|B C|_F \le |B|_F |C|_F` (not multiplied out).
+    With ``data=False`` (the operators) only :math:`\max(1, \text{scale}/2)\max\lambda` is
+    bounded: no pass over the inputs, which would cost 5 to 20% of a call at short lengths on
+    CPU. Scores that overflow because the inputs are huge then give NaN rows, as they do in
+    ``scaled_dot_product_attention``. With ``data=True`` (the dense references) the whole bound
+    :math:`R = \max(1, \text{scale}/2)\,(\max\lambda + w\max|U_k|_F^2 + w\max|U_q|_F^2)
+    \,(\max_i|q_i| + \max_j|k_j|)^2` (:math:`w = 1/2` for ``"mean"``, else 1) is checked: it
+    holds every squared distance :math:`(q_i-k_j)^\top G (q_i-k_j)` and every score, so a
+    reference never answers from an overflowed score (which it would read as a masked key, giving
+    0). Either bound must stay below the largest finite number of the compute dtype (float32 for
+    half-precision inputs) over ``RANGE_MARGIN``. Checked like ``lam``'s values
+    (:func:`~riemannian_ref._checks.check_values`: eager on CPU, queued on the device elsewhere,
+    no host sync); NaN inputs pass (NaN out, as SDPA); meta tensors and empty
+    inputs are not checked.
     """
     if q.device.type == "meta" or q.numel() == 0 or k.numel() == 0:
         return
     ct = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     limit = torch.finfo(ct).max / RANGE_MARGIN
     w = 0.5 if metric_side == "mean" else 1.0
+    if not data:
+        if not _checks.reading_syncs(lam_t) and not torch.compiler.is_compiling():  # a host read is free here
+            top = float(lam_t.detach().amax()) if lam_t.numel() > 1 else float(lam_t.detach())
+            if not top * max(1.0, scale / 2) <= limit:
+                raise ValueError(f"lam and scale are too large for {ct}: max(1, scale/2) * max lam must stay "
+                                 f"below {limit:.3g}, or the scores overflow; lower lam or scale, or compute in "
+                                 f"float64 (lam up to {top:.3g}, scale {scale:g})")
+            return
+        with torch.no_grad():
+            R = lam_t.detach().to(ct).amax() * max(1.0, scale / 2)
+            ok = ~(R > limit)
+        check_values(ok, f"lam and scale are too large for {ct}: max(1, scale/2) * max lam must stay below "
+                         f"{limit:.3g}, or the scores overflow; lower lam or scale, or compute in float64",
+                     lambda: f" (lam up to {float(lam_t.detach().amax()):.3g}, scale {scale:g})")
+        return
     with torch.no_grad():
         norm = lambda x, dims: torch.linalg.vector_norm(x.detach(), dim=dims, dtype=ct).amax()  # noqa: E731
         iso = lam_t.detach().to(ct).amax()
         for U in (U_q, U_k):
             if isinstance(U, Tensor) and U.numel():
                 iso = iso + w * norm(U, (-2, -1)).square()
-        for S in factors:
-            if S.basis.numel() and S.coef.numel():
-                iso = iso + w * (norm(S.basis, (-2, -1)) * norm(S.coef, (-2, -1))).square()
         # factors first: (|q| + |k|)^2 of huge inputs overflows alone, and inf is refused too
         R = iso * (norm(q, -1) + norm(k, -1)).square() * max(1.0, scale / 2)
         ok = ~(R > limit)

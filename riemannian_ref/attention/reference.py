@@ -109,13 +109,18 @@ def riemannian_attention_reference(query: Tensor, key: Tensor, value: Tensor, at
     Memory :math:`O(n_q n_k r)`; differentiable by autograd to any order
     (gradient penalties), which the blockwise operator is not. Float16 and
     bfloat16 inputs are computed in float32 and returned in their dtype, as
-    the operator computes them. The range of ``lam`` and ``scale`` is the
-    operator's: a call whose scores could overflow the compute dtype is
-    refused (see :func:`~riemannian_ref.attention.functional.riemannian_attention`),
-    so an overflowed score never reads as a masked key.
+    the operator computes them. A call whose scores could overflow the
+    compute dtype is refused, naming ``lam`` and ``scale``: the bound
+    :math:`\max(1, \text{scale}/2)\,(\max\lambda + w\max|U|_F^2)
+    (\max_i|q_i| + \max_j|k_j|)^2` (:math:`w = 1/2` for ``"mean"``, else
+    1), which holds every squared distance and every score, must stay below
+    the dtype's largest finite number over 16. So an overflowed score never
+    reads as a masked key (a row of them would give 0). The operator checks
+    only the part without the data (it gives NaN rows where the data makes
+    the scores overflow, as SDPA does).
     """
     lam_t, scale, per_q, per_k, _ = check_attention_inputs(query, key, value, attn_mask, dropout_p, is_causal,
-                                                           scale, U_q, U_k, lam, metric_side)
+                                                           scale, U_q, U_k, lam, metric_side, full_range=True)
     if query.dtype in (torch.float16, torch.bfloat16):  # computed in float32, as every other path computes them
         up = lambda t: t.float() if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
         res = _reference_attention(*map(up, (query, key, value, attn_mask)), dropout_p, is_causal, scale, up(U_q),
