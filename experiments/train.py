@@ -173,6 +173,9 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap.add_argument("--out", help="result JSON (default results/train_<task>_<mode>_s<seed>_<run hash>.json)")
     ap.add_argument("--checkpoint", help="checkpoint path (default checkpoints/train_<task>_<mode>_s<seed>_<run hash>.pt)")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--resume-hparams", choices=["refuse", "new", "checkpoint"], default="refuse",
+                    help="at --resume, optimiser hyper-parameters that differ from the checkpoint's: refuse "
+                         "(default), apply the new ones, or keep the checkpoint's")
     ap.add_argument("--stop-at-step", type=int, help="stop early, checkpointed (resume later)")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
@@ -221,6 +224,7 @@ def main(argv=None) -> dict:
         out, tag = a.out or out, os.path.splitext(os.path.basename(a.out or out))[0]
         cfg = dataclasses.replace(cfg, train=cfg.train.replace(
             device=device, checkpoint_path=a.checkpoint or checkpoint, resume=a.resume,
+            resume_hparams=a.resume_hparams,
             progress=not a.no_progress and rank == 0))
         train_data, val_data = task_data(tc, cfg.train.seed)
         torch.manual_seed(cfg.model_seed)
