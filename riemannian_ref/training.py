@@ -256,7 +256,7 @@ def _empty_history() -> dict[str, list]:
 
 
 def _check_scored(data: TaskData, name: str) -> None:
-    """Refuse examples with no scored position (D5): they make an all-unscored batch's loss 0/0."""
+    """Refuse examples with no scored position: they make an all-unscored batch's loss 0/0."""
     empty = ~data.mask.any(dim=1)
     k = int(empty.sum())
     if k:
@@ -299,7 +299,7 @@ def _check_finite_params(module: nn.Module) -> None:
 
 def _check_outputs(module: nn.Module, train_data: TaskData, val_data: TaskData, device: torch.device, *,
                    loaded_later: bool) -> None:
-    """Refuse data whose token ids or targets the model cannot take (D11), before any step.
+    """Refuse data whose token ids or targets the model cannot take, before any step.
 
     Token ids are checked against the model's ``config.vocab_size`` when it
     has one. The number of outputs per position is read from one forward of

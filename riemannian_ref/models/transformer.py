@@ -346,7 +346,7 @@ class FiberBundleTransformer(nn.Module):
                 U = U.dense()
             if U.dim() == 4:  # shared [1, h, d, r]: the same metric for every token
                 U = U.unsqueeze(2).expand(B, h, n, *U.shape[-2:])
-            elif U.shape[0] != B:  # a position metric [1, h, n, d, r]: the same for every sequence (D7)
+            elif U.shape[0] != B:  # a position metric [1, h, n, d, r]: the same for every sequence
                 U = U.expand(B, *U.shape[1:])
             hol.append(holonomy_defect(rates, tri, rule=rule).expand(B, h).mean(0))  # (h,)
             clo.append(transport_closure_defect(k, rates, tri, rule=rule).mean(0))  # (h,)
