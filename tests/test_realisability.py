@@ -160,3 +160,25 @@ def test_private_module_is_not_exported():
     import riemannian_ref.geometry as geo
     for name in ("dot_head_logit_lower_bound", "dot_head_kl_lower_bound", "best_dot_head", "metric_teacher"):
         assert name not in rr.__all__ and name not in geo.__all__
+
+
+def test_experiment_script_smoke(tmp_path):
+    """experiments/score_rank_task.py end to end at toy size: the file it writes and its checks."""
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "score_rank_task.py")
+    spec = importlib.util.spec_from_file_location("rr_score_rank_task", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r.json"
+    mod.main(["--ds", "2", "--n", "12", "--steps", "20", "--lrs", "1e-2", "--seeds", "0,1", "--out", str(out)])
+    res = json.loads(out.read_text())
+    by = res["by_d"]["2"]
+    assert by["theorem1_rank"] == 6 and [r["min_dot_dim"] for r in by["runs"]] == [6, 6]
+    assert set(by["summary"]) >= {"dot", "metric", "dot_m", "logit_bound", "kl_bound"}
+    assert by["paired"]["dot_minus_metric_kl"]["n"] == 2
+    assert res["command"].startswith("python experiments/score_rank_task.py") and res["wall_s"] > 0
+    with pytest.raises(ValueError, match="--arms"):
+        mod.main(["--arms", "dot,attention", "--out", str(out)])
