@@ -55,7 +55,7 @@ class LogitCertificate(NamedTuple):
     """What :func:`dot_head_logit_lower_bound` returns."""
 
     bound: float
-    """:math:`\\sqrt{\\sum_{t>d}\\sigma_t(LC)^2}`: the minimum row-shifted logit error of every dot head of dimension d."""
+    """:math:`\\sqrt{\\sum_{t>d}\\sigma_t(LC)^2}`: the least row-shifted logit error of a dot head of dimension d."""
     singular_values: Tensor
     """All singular values of the centred log-weights :math:`LC`, descending, float64."""
     min_dot_dim: int
