@@ -177,7 +177,9 @@ def test_experiment_script_smoke(tmp_path):
     res = json.loads(out.read_text())
     by = res["by_d"]["2"]
     assert by["theorem1_rank"] == 6 and [r["min_dot_dim"] for r in by["runs"]] == [6, 6]
-    assert set(by["summary"]) >= {"dot", "metric", "dot_m", "logit_bound", "kl_bound"}
+    assert set(by["summary"]) >= {"dot", "metric", "dot_matched", "dot_m", "logit_bound", "kl_bound"}
+    assert [r["arms"]["dot_matched"]["dim"] for r in by["runs"]] == [4, 4]
+    assert by["paired"]["dot_matched_minus_metric_kl"]["n"] == 2
     assert by["paired"]["dot_minus_metric_kl"]["n"] == 2
     assert res["command"].startswith("python experiments/score_rank_task.py") and res["wall_s"] > 0
     with pytest.raises(ValueError, match="--arms"):
