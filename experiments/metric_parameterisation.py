@@ -64,7 +64,7 @@ import nanogpt_riemannian as example  # noqa: E402
 import riemannian_ref as rr  # noqa: E402
 from riemannian_ref._io import atomic_write_text  # noqa: E402
 from riemannian_ref.analysis.collapse import attention_entropy  # noqa: E402
-from riemannian_ref.geometry.metric import LAM_MIN, lam_from_raw, raw_from_lam  # noqa: E402
+from riemannian_ref.geometry.metric import lam_from_raw, raw_from_lam  # noqa: E402
 
 ARMS = ("sdpa", "rank0", "metricnet", "trace", "gains", "aniso", "tanh")
 
