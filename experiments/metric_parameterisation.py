@@ -147,7 +147,7 @@ def _orthonormal_columns(V: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class GainMetric(nn.Module):
-    r"""(B) :math:`G_j = \lambda_h (I + \sum_t \gamma_{tj} u_{tj}u_{tj}^\top)`, orthonormal :math:`u`, :math:`\gamma \in (0, g_{\max})`.
+    r"""(B) :math:`G_j = \lambda_h (I + \sum_t \gamma_{tj} u_{tj}u_{tj}^\top)`, unit gains bounded by :math:`g_{\max}`.
 
     ``U_k`` columns are :math:`\sqrt{\lambda_h\gamma_{tj}}\,u_{tj}` and ``lam``
     is :math:`\lambda_h`: the eigenvalues of :math:`G_j` lie in
@@ -219,9 +219,9 @@ class AnisoMetric(nn.Module):
 
 
 class TanhBoundMetric(nn.Module):
-    r"""(D) :math:`G_j = \lambda_h I + U'_jU_j'^\top`, :math:`U'_j = U_j\,b\tanh(\|U_j\|_F/b)/\|U_j\|_F`, :math:`b = \sqrt{c\,d}`.
+    r"""(D) :math:`G_j = \lambda_h I + U'_jU_j'^\top` with :math:`\|U'_j\|_F` bounded by a tanh.
 
-    The current form with the low-rank part's trace bounded by :math:`c\,d`
+    :math:`U'_j = U_j\,b\tanh(\|U_j\|_F/b)/\|U_j\|_F`, :math:`b = \sqrt{c\,d}`. The current form with the low-rank part's trace bounded by :math:`c\,d`
     (so :math:`\mathrm{tr}\,G_j/d \le \lambda_h + c`); shape and size are
     still one factor below the bound.
     """
@@ -321,7 +321,8 @@ def load_text(block_size: int, smoke_chars: int | None = None):
     chars = info["chars"]
     stoi = {c: i for i, c in enumerate(chars)}
     data = {s: torch.tensor([stoi[c] for c in p], dtype=torch.long) for s, p in parts.items()}
-    meta = {"source": info["source"], "val_topics": info["val_topics"], "n_chars": {s: len(p) for s, p in parts.items()},
+    meta = {"source": info["source"], "val_topics": info["val_topics"],
+            "n_chars": {s: len(p) for s, p in parts.items()},
             "vocab_size": len(chars),
             "sha256": {s: hashlib.sha256(p.encode()).hexdigest()[:16] for s, p in parts.items()}}
     return data, len(chars), meta
