@@ -33,13 +33,18 @@ def payload_globals(path) -> list[str]:
     return torch.serialization.get_unsafe_globals_in_checkpoint(path)
 
 
-def train_script():
-    """``experiments/train.py`` as a module (loaded once per process)."""
-    name = "rr_train_script"
+def experiment_script(filename: str):
+    """``experiments/<filename>`` as a module (loaded once per process)."""
+    name = "rr_script_" + filename.removesuffix(".py")
     if name not in sys.modules:
-        path = os.path.join(os.path.dirname(__file__), "..", "experiments", "train.py")
+        path = os.path.join(os.path.dirname(__file__), "..", "experiments", filename)
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod  # dataclasses look their module up there
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+def train_script():
+    """``experiments/train.py`` as a module (loaded once per process)."""
+    return experiment_script("train.py")

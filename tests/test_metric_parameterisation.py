@@ -1,27 +1,18 @@
 """experiments/metric_parameterisation.py: the candidate metric forms and a smoke run of the script."""
-import importlib.util
 import json
 import math
-import os
-import sys
 
 import pytest
 import torch
 
 import riemannian_ref as rr
+from _helpers import experiment_script
 
 D_MODEL, H, D, R = 24, 3, 8, 2
 
 
 def _script():
-    name = "rr_metric_parameterisation_script"
-    if name not in sys.modules:
-        path = os.path.join(os.path.dirname(__file__), "..", "experiments", "metric_parameterisation.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return experiment_script("metric_parameterisation.py")
 
 
 def _dense_metric(lam, U, iso):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import riemannian_ref as rr
+from _helpers import experiment_script
 from riemannian_ref.geometry._realisability import (best_dot_head, dot_head_kl_lower_bound,
                                                     dot_head_logit_lower_bound, metric_teacher)
 
@@ -164,14 +165,9 @@ def test_private_module_is_not_exported():
 
 def test_experiment_script_smoke(tmp_path):
     """experiments/score_rank_task.py end to end at toy size: the file it writes and its checks."""
-    import importlib.util
     import json
-    import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "experiments", "score_rank_task.py")
-    spec = importlib.util.spec_from_file_location("rr_score_rank_task", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = experiment_script("score_rank_task.py")
     out = tmp_path / "r.json"
     mod.main(["--ds", "2", "--n", "12", "--steps", "20", "--lrs", "1e-2", "--seeds", "0,1", "--out", str(out)])
     res = json.loads(out.read_text())
