@@ -91,8 +91,7 @@ def check_score_range(q: Tensor, k: Tensor, U_q, U_k, lam_t: Tensor, scale: floa
     r"""Refuse a call whose distances or scores could overflow the compute dtype, naming ``lam`` and ``scale``.
 
     With ``data=False`` (the operators) only :math:`\max(1, \text{scale}/2)\max\lambda` is
-    bounded: no pass over the inputs, which would cost 5 to 20% of a call at short lengths on
-    CPU. Scores that overflow because the inputs are huge then give NaN rows, as they do in
+    bounded: no extra pass over the inputs on the hot path. Scores that overflow because the inputs are huge then give NaN rows, as they do in
     ``scaled_dot_product_attention``. With ``data=True`` (the dense references) the whole bound
     :math:`R = \max(1, \text{scale}/2)\,(\max\lambda + w\max|U_k|_F^2 + w\max|U_q|_F^2)
     \,(\max_i|q_i| + \max_j|k_j|)^2` (:math:`w = 1/2` for ``"mean"``, else 1) is checked: it

@@ -107,8 +107,8 @@ def riemannian_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         inputs, whose ``lam`` is held in their dtype), else the call is
         refused naming ``lam`` and ``scale``: past it the scores overflow
         whatever the inputs. The operator reads no more of the data than
-        that (a pass over the inputs would cost 5 to 20% of a short call),
-        so scores that overflow because the inputs themselves are huge give
+        that (the full bound needs extra passes over the inputs on every
+        call), so scores that overflow because the inputs themselves are huge give
         NaN rows, as they do in SDPA. The dense reference checks the whole
         bound, data included (see
         :func:`~riemannian_ref.attention.reference.riemannian_attention_reference`),
