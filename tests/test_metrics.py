@@ -112,7 +112,7 @@ def test_bad_vector_inputs():
 
 def test_metric_net_shapes_and_init_scale():
     torch.manual_seed(0)
-    net = rr.MetricNet(d_model=64, n_heads=4, head_dim=16, rank=3, lam_init=1.0)
+    net = rr.MetricNet(d_model=64, n_heads=4, head_dim=16, rank=3, lam_init=1.0, form="factor")
     x = torch.randn(8, 50, 64)
     lam, U = net(x)
     assert lam.shape == (4,) and U.shape == (8, 4, 50, 16, 3)
@@ -140,7 +140,7 @@ def test_metric_net_shared_and_rank_zero():
     """shared=True: one learned [h, d, r] factor per head; rank 0: U has r = 0 (G = lam I)."""
     torch.manual_seed(0)
     x = torch.randn(2, 5, 8)
-    shared = rr.MetricNet(8, 2, 4, 3, shared=True)
+    shared = rr.MetricNet(8, 2, 4, 3, shared=True, form="factor")
     lam, U = shared(x)
     assert U.shape[-3:] == (2, 4, 3) and U.numel() == 2 * 4 * 3  # [h, d, r] (maybe with a leading 1)
     torch.testing.assert_close(U.reshape(2, 4, 3), shared.U.detach())  # the parameter, independent of x

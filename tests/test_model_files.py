@@ -20,7 +20,9 @@ from riemannian_ref.models import transformer as tmod
 B, N = 2, 12
 V1 = "riemannian_ref.FiberBundleTransformer/1"
 # the config fields added while files were written in format 1 (none of them changes an older model)
-V1_ADDED = {"position_metric": False, "metric_bias": False, "scale_residual": True, "metric_subspace": None}
+FACTOR_FORM = {"metric_form": "factor", "max_gain": 4.0, "gain_bias": -4.0}  # metrics of formats 1 and 2
+V1_ADDED = {"position_metric": False, "metric_bias": False, "scale_residual": True, "metric_subspace": None,
+            **FACTOR_FORM}
 
 
 def _model(seed=0, **kw):
@@ -166,12 +168,12 @@ def test_D2_a_config_missing_a_field_is_refused_naming_the_file_and_field(tmp_pa
         rr.FiberBundleTransformer.load(p, config=model.config.replace(causal=False, n_layers=3))
 
 
-def test_save_records_the_full_config_and_format_2(tmp_path):
+def test_save_records_the_full_config_and_format_3(tmp_path):
     model = _model(mode="riemannian", metric_bias=True)
     p = tmp_path / "m.pt"
     model.save(p)
     blob = torch.load(p, weights_only=True)
-    assert blob["format"] == "riemannian_ref.FiberBundleTransformer/2"
+    assert blob["format"] == "riemannian_ref.FiberBundleTransformer/3"
     assert blob["config"] == dataclasses.asdict(model.config)
     assert set(blob["config"]) == {f.name for f in dataclasses.fields(rr.FiberBundleConfig)}
 
@@ -184,9 +186,9 @@ def _v1_file(path, model, drop=tuple(V1_ADDED)):
 
 def test_D2_a_format_1_file_is_migrated_with_the_old_behaviour(tmp_path, gen):
     # D2: the config fields added since format 1 get the values that reproduce a model of then
-    assert tmod._CONFIG_MIGRATIONS == {1: V1_ADDED}
-    for kw in (dict(mode="euclidean"), dict(mode="fiber_bundle", causal=False, connection="flat"),
-               dict(mode="riemannian", metric_side="mean")):
+    assert tmod._CONFIG_MIGRATIONS == {1: V1_ADDED, 2: FACTOR_FORM}
+    for kw in (dict(mode="euclidean", **FACTOR_FORM), dict(mode="fiber_bundle", causal=False, connection="flat", **FACTOR_FORM),
+               dict(mode="riemannian", metric_side="mean", **FACTOR_FORM)):
         model = _model(**kw)
         p = tmp_path / "v1.pt"
         _v1_file(p, model)
@@ -196,15 +198,16 @@ def test_D2_a_format_1_file_is_migrated_with_the_old_behaviour(tmp_path, gen):
         assert torch.equal(back(idx).logits, model(idx).logits)
     # the attention_stack preset switches scale_residual off today: its format-1 file still gets True,
     # the old behaviour (the division by sqrt(2L) at init was then always on with skip or gpt2 init)
-    stack = rr.FiberBundleTransformer(rr.FiberBundleConfig.attention_stack(n_layers=2, d_model=16, block_size=8))
+    stack = rr.FiberBundleTransformer(rr.FiberBundleConfig.attention_stack(n_layers=2, d_model=16, block_size=8,
+                                                                          metric_form="factor"))
     _v1_file(p, stack)
     assert rr.FiberBundleTransformer.load(p).config == stack.config.replace(scale_residual=True)
     # a format-1 file written after some of those fields existed keeps its own values
-    model = _model(mode="riemannian", metric_bias=True, position_metric=False)
-    _v1_file(p, model, drop=("scale_residual", "metric_subspace"))
+    model = _model(mode="riemannian", metric_bias=True, position_metric=False, metric_form="factor")
+    _v1_file(p, model, drop=("scale_residual", "metric_subspace", *FACTOR_FORM))
     assert rr.FiberBundleTransformer.load(p).config == model.config
     # a format-1 file that lacks a field that format-1 saves always wrote is refused
-    _v1_file(p, model, drop=("causal", "metric_subspace"))
+    _v1_file(p, model, drop=("causal", "metric_subspace", *FACTOR_FORM))
     with pytest.raises(ValueError, match=r"lacks the fields \['causal'\]") as err:
         rr.FiberBundleTransformer.load(p)
     assert str(p) in str(err.value)
@@ -212,18 +215,39 @@ def test_D2_a_format_1_file_is_migrated_with_the_old_behaviour(tmp_path, gen):
     _v1_file(p, model)  # metric_bias=True weights, read as metric_bias=False
     with pytest.raises(ValueError, match="the weights do not match"):
         rr.FiberBundleTransformer.load(p)
-    # a migrated file saved again is a format-2 file with the full config
-    _v1_file(p, _model(mode="riemannian"))
-    q = tmp_path / "v2.pt"
+    # a migrated file saved again is a format-3 file with the full config
+    _v1_file(p, _model(mode="riemannian", metric_form="factor"))
+    q = tmp_path / "v3.pt"
     rr.FiberBundleTransformer.load(p).save(q)
-    assert torch.load(q, weights_only=True)["format"].endswith("/2")
+    assert torch.load(q, weights_only=True)["format"].endswith("/3")
+
+
+def test_a_format_2_file_loads_with_the_factor_metrics_it_was_written_with(tmp_path, gen):
+    """Format 2 predates metric_form: its metrics are the unbounded factor form, and its file says so by lacking
+    the three fields. A format-2 file with gains weights cannot exist; if forged, the weights check refuses it."""
+    p = tmp_path / "v2.pt"
+    old = _model(mode="riemannian", metric_form="factor")
+    cfg = {k: v for k, v in dataclasses.asdict(old.config).items() if k not in FACTOR_FORM}
+    torch.save({"format": "riemannian_ref.FiberBundleTransformer/2", "config": cfg, "state_dict": old.state_dict()},
+               p)
+    back = rr.FiberBundleTransformer.load(p)
+    assert back.config.metric_form == "factor" and back.config == old.config
+    idx = torch.randint(0, 16, (B, N), generator=gen)
+    assert torch.equal(back(idx).logits, old(idx).logits)
+    new = _model(mode="riemannian")  # today's default: gains
+    assert new.config.metric_form == "gains"
+    cfg = {k: v for k, v in dataclasses.asdict(new.config).items() if k not in FACTOR_FORM}
+    torch.save({"format": "riemannian_ref.FiberBundleTransformer/2", "config": cfg, "state_dict": new.state_dict()},
+               p)
+    with pytest.raises(ValueError, match="the weights do not match"):
+        rr.FiberBundleTransformer.load(p)
 
 
 def test_D2_a_format_1_file_with_the_content_connection_needs_its_rule_stated(tmp_path, gen):
     # D2: connection="content" meant the source rule in 0.2.0 (today's "content_source") and the two-endpoint
     # rule later; a format-1 file without scale_residual does not say which, so the caller must
     torch.manual_seed(0)
-    old = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(connection="content_source")).eval()
+    old = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(connection="content_source", metric_form="factor")).eval()
     p = tmp_path / "v020.pt"
     cfg = {k: v for k, v in dataclasses.asdict(old.config).items() if k not in V1_ADDED}
     cfg["connection"] = None  # as 0.2.0 saved the fiber_bundle default
@@ -249,7 +273,7 @@ def test_D2_unknown_format_versions_and_unknown_fields_are_refused(tmp_path):
     model = _model()
     p = tmp_path / "m.pt"
     model.save(p)
-    for fmt, msg in (("riemannian_ref.FiberBundleTransformer/3", "format version 3"),
+    for fmt, msg in (("riemannian_ref.FiberBundleTransformer/4", "format version 4"),
                      ("riemannian_ref.FiberBundleTransformer/0", "format version 0"),
                      ("riemannian_ref.FiberBundleTransformer/x", "not a riemannian_ref model file"),
                      (2, "not a riemannian_ref model file"), (None, "not a riemannian_ref model file")):

@@ -174,14 +174,19 @@ def test_a_layer_matches_the_dense_reference_with_factors(gen):
 def test_the_metric_reads_directions(gen):
     """The states are RMS-normalised: the factors of c k equal those of k, and strength sets their size
     as in MetricNet (E|U^T v|^2 = strength^2 |v|^2), whatever the scale of the model's keys."""
-    metric = rr_hf.HeadMetric(3, 16, 2, strength=0.5).double()
     k = 0.01 * torch.randn(64, 3, 8, 16, generator=gen, dtype=F64)  # small keys, as in a fresh model
-    lam, U = metric(k)
-    torch.testing.assert_close(metric(7.0 * k)[1], U)
     v = torch.randn(64, 3, 8, 16, generator=gen, dtype=F64)
-    ratio = (U.transpose(-1, -2) @ v.unsqueeze(-1)).pow(2).sum() / v.pow(2).sum()
-    assert 0.5 ** 2 / 2 < ratio < 0.5 ** 2 * 2
-    assert lam.shape == (3,) and U.shape == (64, 3, 8, 16, 2)
+    for form in ("factor", "gains"):
+        metric = rr_hf.HeadMetric(3, 16, 2, strength=0.5, form=form).double()
+        lam, U = metric(k)
+        torch.testing.assert_close(metric(7.0 * k)[1], U)
+        assert lam.shape == (3,) and U.shape == (64, 3, 8, 16, 2)
+        ratio = (U.transpose(-1, -2) @ v.unsqueeze(-1)).pow(2).sum() / v.pow(2).sum()
+        if form == "factor":
+            assert 0.5 ** 2 / 2 < ratio < 0.5 ** 2 * 2
+        else:  # r orthonormal directions with gains near 4 sigmoid(-4) = 0.072: E|U^T v|^2 = lam (r/d) gain |v|^2
+            expect = 2 / 16 * 4 * torch.sigmoid(torch.tensor(-4.0)).item()
+            assert expect / 1.5 < ratio < expect * 1.5
 
 
 def test_query_side(gen):
@@ -206,21 +211,25 @@ def test_forward_and_backward_reach_every_weight(name, gen):
     assert torch.isfinite(out.loss)
     out.loss.backward()
     metric = [p for n, p in model.named_parameters() if "riemannian_metric" in n]
-    assert len(metric) == 2 * sum(m.riemannian_metric.n_heads for _, m in rr_hf._attention_layers(model))
+    # per head: the direction map, the gain map's weight and bias, and lambda's parameter
+    assert len(metric) == 4 * sum(m.riemannian_metric.n_heads for _, m in rr_hf._attention_layers(model))
     for n, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), n
     assert all(p.grad.abs().sum() > 0 for p in metric)
 
 
 def test_zero_strength_is_a_stationary_point(gen):
-    """Why attach does not start the factors at exactly zero: U U^T is quadratic in the weights."""
-    model = _switched("llama", strength=0.0)
-    ids, mask = _batch(gen)
-    model(ids, attention_mask=mask, labels=ids).loss.backward()
-    for layer in model.model.layers:
-        for net in layer.self_attn.riemannian_metric.heads:
-            assert net.proj.weight.grad.abs().max() == 0
-            assert net.rho.grad.abs().max() > 0  # lambda still learns
+    """Why attach does not start the factors at exactly zero: U U^T is quadratic in the weights. In the gains form
+    too (U = 0 there as well: the normalisation is smooth at 0, so the gradient is finite, and zero)."""
+    for form in ("factor", "gains"):
+        model = _switched("llama", strength=0.0, form=form)
+        ids, mask = _batch(gen)
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+        for layer in model.model.layers:
+            for net in layer.self_attn.riemannian_metric.heads:
+                g = net.proj.weight.grad
+                assert torch.isfinite(g).all() and g.abs().max() == 0, form
+                assert net.rho.grad.abs().max() > 0  # lambda still learns
 
 
 def test_loss_decreases_on_a_tiny_task():
@@ -252,7 +261,7 @@ def test_save_pretrained_round_trip_keeps_the_metric(name, tmp_path, gen):
     loaded = rr_hf.from_pretrained(tmp_path, dtype=F64).eval()
     assert loaded.config._attn_implementation == rr_hf.NAME
     assert loaded.config.riemannian_metric == dict(rank=3, side="key", lam_init=2.0, lam_min=rr_hf.LAM_MIN,
-                                                   strength=0.5)
+                                                   strength=0.5, form="gains", max_gain=4.0, gain_bias=-4.0)
     assert type(loaded).__name__ == type(model).__name__
     a, b = model.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys() and any("riemannian_metric" in k for k in a)

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_bool, check_choice, check_int, check_number, check_tensor, shape_str
-from ..geometry.metric import LAM_MIN, MetricNet, SubspaceFactors, raw_from_lam
+from ..geometry.metric import LAM_MIN, METRIC_FORMS, MetricNet, SubspaceFactors, raw_from_lam
 from ..geometry.scores import METRIC_SIDES, riemannian_scores
 from ._validate import autocast_dtype
 from ..geometry.transport import CONNECTIONS, rotary_frequencies
@@ -45,6 +45,7 @@ __all__ = ["AttentionConfig", "RiemannianAttention"]
 SCORES = ("metric", "dot")
 METRICS = ("token", "shared", "position")
 QK_INITS = ("normal", "orthonormal")
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 # the package's validators under the names the models import (errors name the field and the range)
@@ -92,6 +93,13 @@ class AttentionConfig:
     max_positions : int, default 1024
         ``metric="position"``: the number of positions the metric field covers
         (the longest sequence).
+    metric_form : {"gains", "factor"}, default "gains"
+        The metric parameterisation (:class:`~riemannian_ref.geometry.metric.MetricNet`
+        ``form``): orthonormal directions with bounded per-token gains,
+        :math:`G = \lambda(I + \sum_t \gamma_t u_t u_t^\top)`, or the unbounded
+        factor :math:`G = \lambda I + U U^\top` of package versions up to 0.3.
+    max_gain, gain_bias : float, default 4.0 and -4.0
+        ``metric_form="gains"``: the largest gain and the gain logits' initial bias.
     metric_side : {"key", "query", "mean"}, default "key"
         Whose metric measures a pair.
     rank : int, default 2
@@ -149,6 +157,9 @@ class AttentionConfig:
     subspace: int | None = None      # metric="token": factors U_i = B C_i in one learned m-dim subspace per head
     max_positions: int = 1024        # metric="position": positions the metric field covers
     metric_side: str = "key"         # "key" | "query" | "mean": whose metric measures a pair
+    metric_form: str = "gains"       # "gains" (bounded directions and gains) or "factor" (G = lam I + U U^T)
+    max_gain: float = 4.0            # metric_form="gains": eigenvalues of G in [lam, lam (1 + max_gain)]
+    gain_bias: float = -4.0          # metric_form="gains": initial bias of the gain logits
     rank: int = 2                    # r; 0 gives G = lam I
     strength: float = 1.0            # heterogeneity of the metrics at init
     lam_init: float = 1.0            # initial lambda
@@ -178,6 +189,9 @@ class AttentionConfig:
         _choice(self.scores, "scores", SCORES)
         _choice(self.metric, "metric", METRICS)
         _choice(self.metric_side, "metric_side", METRIC_SIDES)
+        _choice(self.metric_form, "metric_form", METRIC_FORMS)
+        _number(self.max_gain, "max_gain", low=0.0, low_open=True, high=_F32_MAX)
+        _number(self.gain_bias, "gain_bias", low=-_F32_MAX, high=_F32_MAX)
         _choice(self.connection, "connection", CONNECTIONS)
         _choice(self.qk_init, "qk_init", QK_INITS)
         _pos_int(self.rank, "rank", 0)
@@ -270,7 +284,8 @@ class RiemannianAttention(nn.Module):
             kw = dict(lam_init=cfg.lam_init, lam_min=cfg.lam_min, strength=cfg.strength,
                       shared=cfg.metric == "shared", bias=cfg.metric_bias,
                       n_positions=cfg.max_positions if cfg.metric == "position" else None,
-                      subspace=cfg.subspace)
+                      subspace=cfg.subspace, form=cfg.metric_form, max_gain=cfg.max_gain,
+                      gain_bias=cfg.gain_bias)
             # One metric field: a token's metric is the same whether it queries or is queried.
             # In cross-attention the two sides are different states: one network per side used.
             if not cfg.cross_attention or cfg.metric_side in ("key", "mean"):

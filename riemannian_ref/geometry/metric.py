@@ -355,15 +355,74 @@ class SubspaceFactors(NamedTuple):
         return torch.einsum("...dm,...nmr->...ndr", self.basis, self.coef)
 
 
+#: Metric parameterisations of :class:`MetricNet`: ``"gains"`` (bounded, the default) and ``"factor"``.
+METRIC_FORMS = ("gains", "factor")
+
+
+def _autocast_on(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta, ...)
+        return False
+
+
+def _orthonormal_columns(V: Tensor, gram: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    r"""Gram-Schmidt on the columns of ``V [..., k, r]`` (differentiable); ``gram``: the inner product.
+
+    With ``gram`` = :math:`K` (``[..., k, k]``, broadcasting against ``V``'s
+    batch) the columns are orthonormalised for :math:`\langle a, b\rangle = a^\top K b`,
+    so that :math:`B\,V` has orthonormal columns when :math:`K = B^\top B`. Every
+    column :math:`v` is divided by :math:`\sqrt{|v|^2 + \epsilon^2}`: its norm is
+    below 1 (1 up to :math:`\epsilon^2/|v|^2` unless the column is nearly 0 or
+    dependent on the earlier ones), and the map is smooth at :math:`v = 0`. Half
+    precision is computed in float32 and returned in the input dtype.
+    """
+    dtype = V.dtype
+    V = V.float() if dtype in (torch.float16, torch.bfloat16) else V
+    K = None if gram is None else gram.to(V.dtype)
+
+    def inner(a: Tensor, b: Tensor) -> Tensor:
+        if K is None:
+            return (a * b).sum(-1)
+        return (a * (K @ b.unsqueeze(-1)).squeeze(-1)).sum(-1)
+
+    cols: list[Tensor] = []
+    for t in range(V.shape[-1]):
+        v = V[..., t]
+        for u in cols:
+            v = v - inner(u, v).unsqueeze(-1) * u
+        cols.append(v / (inner(v, v).clamp_min(0) + eps * eps).sqrt().unsqueeze(-1))  # smooth at v = 0
+    return torch.stack(cols, -1).to(dtype) if cols else V.to(dtype)
+
+
 class MetricNet(nn.Module):
     r"""A metric network: token states to per-head metric factors.
 
-    Produces, for every token and head, :math:`U_i \in \mathbb{R}^{d\times r}`
-    by a linear map of the token state, and a learned per-head
+    Produces, for every token and head, the factor :math:`U_i \in \mathbb{R}^{d\times r}`
+    of a metric :math:`G_i = \lambda I + U_i U_i^\top`, with a learned per-head
     :math:`\lambda = \mathrm{softplus}(\rho) + \lambda_{\min}`
-    (:func:`lam_from_raw`). With ``shared=True`` the factor is one learned
-    parameter per head instead, :math:`U_h \in \mathbb{R}^{d\times r}`, the
-    same for every token (a shared metric).
+    (:func:`lam_from_raw`). A linear map of the token state gives a raw
+    factor :math:`V_i`; ``form`` says how it becomes :math:`U_i`:
+
+    * ``"gains"`` (default): :math:`G_i = \lambda\,(I + \sum_t \gamma_{ti}\,
+      u_{ti} u_{ti}^\top)` with the columns :math:`u_{ti}` of :math:`V_i`
+      orthonormalised (Gram-Schmidt) and per-token gains
+      :math:`\gamma_{ti} = g_{\max}\,\mathrm{sigmoid}(a_{ti})` from a second
+      linear map, :math:`a_i = W_a x_i + b_a`, whose bias starts at
+      ``gain_bias``. So :math:`U_i = \sqrt{\lambda \gamma_{i}}\,u_{i}`, and every
+      eigenvalue of :math:`G_i` lies in :math:`[\lambda, \lambda(1 + g_{\max})]`
+      (``max_gain``): the metric's shape (directions and gains) cannot sharpen
+      attention beyond a factor :math:`1 + g_{\max}`, and its overall
+      sharpness is the per-head :math:`\lambda` alone. Chapter 13 of the book
+      shows why this matters: with ``"factor"`` the size of :math:`U_i` grows
+      freely in training and multiplies the temperature, and the attention
+      of a language model's later layers collapses to one key.
+    * ``"factor"``: :math:`U_i = V_i` (the form of package versions up to
+      0.3), unbounded.
+
+    With ``shared=True`` the raw factor is one learned parameter per head
+    instead, :math:`V_h \in \mathbb{R}^{d\times r}` (and the gain logits one
+    per head and direction), the same for every token (a shared metric).
 
     The linear map is initialised with standard deviation
     ``strength / sqrt(D r)``, so that for unit-variance token states every
@@ -371,7 +430,13 @@ class MetricNet(nn.Module):
     :math:`\mathbb{E}\,\|U_i^\top v\|^2 = \mathrm{strength}^2 \|v\|^2`
     whatever the rank: at init the metric is :math:`\lambda I` plus a
     perturbation of comparable size, and ``strength`` sweeps its heterogeneity.
-    A shared factor gets entries of the same variance.
+        A shared factor gets entries of the same variance. (These are the raw
+    factors :math:`V_i`; with ``form="gains"`` they set only the directions,
+    and the gain map :math:`W_a` starts with standard deviation
+    ``strength / sqrt(D)``, so ``strength`` sweeps how much the gains vary
+    from token to token; ``strength=0`` gives :math:`V_i = 0`, no directions,
+    and :math:`G_i = \lambda I` at init, a stationary point as in the
+    factor form, since the scores depend on :math:`U_i U_i^\top`.)
 
     Parameters
     ----------
@@ -405,6 +470,17 @@ class MetricNet(nn.Module):
         per position and head, :math:`U_p` (a parameter ``[n_positions, h, d, r]``,
         entries of the shared factor's variance); the token at position
         :math:`p` (``0..n-1``) gets :math:`U_p` whatever its state.
+    form : {"gains", "factor"}, default "gains"
+        The parameterisation (above): orthonormal directions with bounded
+        per-token gains, or the raw factor.
+    max_gain : float, default 4.0
+        ``form="gains"``: the largest gain :math:`g_{\max} > 0`; the metric's
+        eigenvalues lie in :math:`[\lambda, \lambda(1+g_{\max})]`.
+    gain_bias : float, default -4.0
+        ``form="gains"``: the initial bias of the gain logits; a token with
+        :math:`W_a x = 0` starts with gains :math:`g_{\max}\,\mathrm{sigmoid}(b)`
+        (0.072 for the defaults: nearly isotropic, but with ``strength > 0``
+        not at the stationary point :math:`U = 0`).
     subspace : int or None
         Per-token factors that share one learned subspace per head,
         :math:`U_i = B\,C_i` with a basis :math:`B` (a parameter ``[h, d, m]``,
@@ -430,8 +506,16 @@ class MetricNet(nn.Module):
     def __init__(self, d_model: int, n_heads: int, head_dim: int, rank: int, *,
                  lam_init: float = 1.0, lam_min: float = LAM_MIN, strength: float = 1.0,
                  shared: bool = False, diagonal: bool = False, bias: bool = False,
-                 n_positions: int | None = None, subspace: int | None = None):
+                 n_positions: int | None = None, subspace: int | None = None,
+                 form: str = "gains", max_gain: float = 4.0, gain_bias: float = -4.0):
         super().__init__()
+        if not isinstance(form, str) or form not in METRIC_FORMS:
+            raise ValueError(f"form must be one of {METRIC_FORMS}, got {form!r}")
+        for name, val in (("max_gain", max_gain), ("gain_bias", gain_bias)):
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val):
+                raise ValueError(f"{name} must be a finite number, got {val!r}")
+        if max_gain <= 0:
+            raise ValueError(f"max_gain must be > 0, got {max_gain!r}")
         for name, val in (("d_model", d_model), ("n_heads", n_heads), ("head_dim", head_dim)):
             if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
@@ -463,6 +547,7 @@ class MetricNet(nn.Module):
         self.d_model, self.n_heads, self.head_dim, self.rank = d_model, n_heads, head_dim, rank
         self.lam_min, self.shared, self.diagonal = lam_min, shared, diagonal
         self.n_positions, self.subspace = n_positions, subspace
+        self.form, self.max_gain, self.gain_bias = form, float(max_gain), float(gain_bias)
         h, d, r = n_heads, head_dim, rank
         self.rho = nn.Parameter(torch.full((h,), rho))
         self.proj = self.U = self.U_pos = self.basis = None
@@ -485,6 +570,17 @@ class MetricNet(nn.Module):
             nn.init.normal_(self.proj.weight, std=strength / math.sqrt(d_model * r))
             if bias:
                 nn.init.normal_(self.proj.bias, std=std_shared)
+        # form="gains": the gain logits a = W_a x + b_a (per token), or one per head (shared) or position
+        self.gain = self.gain_shared = None
+        if form == "gains" and r > 0:
+            if shared:
+                self.gain_shared = nn.Parameter(torch.full((h, r), float(gain_bias)))
+            elif n_positions is not None:
+                self.gain_shared = nn.Parameter(torch.full((n_positions, h, r), float(gain_bias)))
+            else:
+                self.gain = nn.Linear(d_model, h * r)
+                nn.init.normal_(self.gain.weight, std=strength / math.sqrt(d_model))
+                nn.init.constant_(self.gain.bias, float(gain_bias))
         self.diag_proj = None
         if diagonal:
             self.diag_proj = nn.Linear(d_model, h * d)
@@ -519,13 +615,28 @@ class MetricNet(nn.Module):
             :class:`SubspaceFactors` of ``basis`` [1, h, d, m] and ``coef``
             [B, h, n, m, r] (``U.dense()`` is the [B, h, n, d, r] tensor).
         """
+        if self.form == "gains" and self.rank > 0 and isinstance(x, Tensor) and _autocast_on(x.device.type):
+            # Normalising the directions projects the factor's gradient onto the directions' complement,
+            # a difference of nearly equal terms: in float16 it loses most of its digits (measured: 20%
+            # error on the direction weights' gradient). The metric network is small: it runs in float32
+            # (or the states' wider dtype), and attention takes float32 factors under autocast.
+            with torch.autocast(x.device.type, enabled=False):
+                return self._forward(x.float() if x.dtype in (torch.float16, torch.bfloat16) else x)
+        return self._forward(x)
+
+    def _forward(self, x: Tensor) -> tuple[Tensor, Tensor | SubspaceFactors]:
+        """The computation of :meth:`forward`."""
         x = self._check_x(x)
         B, n, _ = x.shape
         h, d, r = self.n_heads, self.head_dim, self.rank
+        lam = self.lam().to(x.dtype)
         if self.basis is not None:
             m = self.subspace
             C = self.proj(x).view(B, n, h, m, r).permute(0, 2, 1, 3, 4)  # (B, h, n, m, r)
-            return self.lam().to(x.dtype), SubspaceFactors(self.basis.to(x.dtype).unsqueeze(0), C)
+            basis = self.basis.to(x.dtype).unsqueeze(0)  # (1, h, d, m)
+            if self.form == "gains":  # orthonormal in the basis' inner product, so B C has orthonormal columns
+                C = self._scale(_orthonormal_columns(C, gram=(basis.mT @ basis).unsqueeze(2)), lam, x)
+            return lam, SubspaceFactors(basis, C)
         if self.shared:
             U = self.U.to(x.dtype).unsqueeze(0)  # (1, h, d, r)
         elif self.U_pos is not None:
@@ -534,10 +645,40 @@ class MetricNet(nn.Module):
                                  f"{self.n_positions} positions")
             U = self.U_pos[:n].to(x.dtype).transpose(0, 1).unsqueeze(0)  # (1, h, n, d, r)
         elif self.proj is None:
-            U = x.new_zeros(B, h, n, d, 0)
+            return lam, x.new_zeros(B, h, n, d, 0)
         else:
             U = self.proj(x).view(B, n, h, d, r).permute(0, 2, 1, 3, 4)  # (B, h, n, d, r)
-        return self.lam().to(x.dtype), U
+        if self.form == "gains":
+            U = self._scale(_orthonormal_columns(U), lam, x)
+        return lam, U
+
+    def gains(self, x: Tensor) -> Tensor:
+        r"""The gains :math:`\gamma = g_{\max}\,\mathrm{sigmoid}(a)` of ``form="gains"``.
+
+        Takes the states ``x`` [B, n, D]; returns [B, h, n, r] (per token),
+        [1, h, r] (``shared``) or [1, h, n, r] (``n_positions``).
+        """
+        return self.max_gain * torch.sigmoid(self._gain_logits(x))
+
+    def _gain_logits(self, x: Tensor) -> Tensor:
+        if self.form != "gains" or self.rank == 0:
+            raise ValueError(f"gains() needs form='gains' and rank >= 1, got form={self.form!r}, rank={self.rank}")
+        x = self._check_x(x)
+        B, n, _ = x.shape
+        h, r = self.n_heads, self.rank
+        if self.gain is not None:
+            return self.gain(x).view(B, n, h, r).transpose(1, 2)  # (B, h, n, r)
+        if self.shared:
+            return self.gain_shared.to(x.dtype).unsqueeze(0)  # (1, h, r)
+        return self.gain_shared[:n].to(x.dtype).transpose(0, 1).unsqueeze(0)  # (1, h, n, r)
+
+    def _scale(self, U: Tensor, lam: Tensor, x: Tensor) -> Tensor:
+        r"""Orthonormal directions ``U [..., k, r]`` times :math:`\sqrt{\lambda\gamma}` per column."""
+        a = self._gain_logits(x)
+        # sqrt(gamma) = sqrt(g_max) exp(logsigmoid(a) / 2): smooth where sigmoid(a) underflows to 0
+        root = math.sqrt(self.max_gain) * torch.exp(0.5 * nn.functional.logsigmoid(a))
+        root = root * lam.sqrt().view((-1,) + (1,) * (a.dim() - 2))  # lam per head: dim 1 of every layout
+        return U * root.unsqueeze(-2)
 
     def delta(self, x: Tensor) -> Tensor:
         r"""Per-token diagonal :math:`\delta_i = \lambda\,\mathrm{softplus}(W x_i)/\log 2 + \lambda_{\min}`.

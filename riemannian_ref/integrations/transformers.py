@@ -21,7 +21,13 @@ metric is a field on the head space,
 
 with :math:`\hat k = k/\sqrt{|k|^2/d}` the RMS-normalised state and
 :math:`\lambda_h` parameterised by the package's one rule
-(:func:`~riemannian_ref.geometry.metric.lam_from_raw`). The registered
+(:func:`~riemannian_ref.geometry.metric.lam_from_raw`). By default
+(``form="gains"``) the columns of :math:`W^h \hat k` only set directions:
+:math:`U^h(k)` is them orthonormalised, each times
+:math:`\sqrt{\lambda_h \gamma_t(k)}` with a bounded gain
+:math:`\gamma_t \in (0, g_{\max})`, so every eigenvalue of :math:`G^h(k)` lies
+in :math:`[\lambda_h, \lambda_h(1+g_{\max})]`; ``form="factor"`` keeps
+:math:`U^h(k) = W^h \hat k` unbounded (chapter 13 of the book compares them). The registered
 function :func:`attention_forward` then calls
 :func:`~riemannian_ref.attention.functional.riemannian_attention` with the
 layer's own ``scaling`` :math:`1/\tau`: scores
@@ -121,7 +127,7 @@ from torch import Tensor, nn
 
 from .._checks import shape_str
 from ..attention.functional import riemannian_attention
-from ..geometry.metric import LAM_MIN, MetricNet, raw_from_lam
+from ..geometry.metric import LAM_MIN, METRIC_FORMS, MetricNet, raw_from_lam
 
 try:
     import transformers
@@ -233,12 +239,13 @@ class HeadMetric(nn.Module):
         Metric rank :math:`r \ge 0`.
     side : {"key", "query"}
         Whose states it reads, and so whose metric measures a pair.
-    lam_init, lam_min, strength
+    lam_init, lam_min, strength, form, max_gain, gain_bias
         As in :class:`~riemannian_ref.geometry.metric.MetricNet`.
     """
 
     def __init__(self, n_heads: int, head_dim: int, rank: int, *, side: str = "key", lam_init: float = 1.0,
-                 lam_min: float = LAM_MIN, strength: float = 0.01):
+                 lam_min: float = LAM_MIN, strength: float = 0.01, form: str = "gains", max_gain: float = 4.0,
+                 gain_bias: float = -4.0):
         super().__init__()
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, got {side!r}")
@@ -247,8 +254,10 @@ class HeadMetric(nn.Module):
                 what = "a positive int" if low else "an int >= 0"
                 raise ValueError(f"HeadMetric: {name} must be {what}, got {v!r}")
         self.side, self.n_heads, self.head_dim, self.rank = side, n_heads, head_dim, rank
+        self.form = form
         self.heads = nn.ModuleList(MetricNet(head_dim, 1, head_dim, rank, lam_init=lam_init, lam_min=lam_min,
-                                             strength=strength) for _ in range(n_heads))
+                                             strength=strength, form=form, max_gain=max_gain,
+                                             gain_bias=gain_bias) for _ in range(n_heads))
 
     def extra_repr(self) -> str:
         return f"side={self.side!r}, n_heads={self.n_heads}, head_dim={self.head_dim}, rank={self.rank}"
@@ -417,7 +426,8 @@ def _attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def attach(model: nn.Module, rank: int = 2, *, side: str = "key", lam_init: float = 1.0, lam_min: float = LAM_MIN,
-           strength: float = 0.01) -> nn.Module:
+           strength: float = 0.01, form: str = "gains", max_gain: float = 4.0,
+           gain_bias: float = -4.0) -> nn.Module:
     r"""Give every attention layer of a ``transformers`` model a :class:`HeadMetric`.
 
     Then select the backend with ``model.set_attn_implementation("riemannian")``.
@@ -450,7 +460,16 @@ def attach(model: nn.Module, rank: int = 2, *, side: str = "key", lam_init: floa
         Size of the factors at init (:class:`~riemannian_ref.geometry.metric.MetricNet`):
         0 starts exactly at :math:`G = \lambda I` but leaves the factors
         without gradient (see the module's notes); the default 0.01 starts
-        within about ``1e-4`` of it.
+        within about ``1e-4`` of it (with ``form="factor"``; with
+        ``"gains"`` it sets how much the gains differ between tokens at init).
+    form : {"gains", "factor"}
+        The metric parameterisation (:class:`~riemannian_ref.geometry.metric.MetricNet`):
+        orthonormal directions with bounded gains (default; the eigenvalues
+        of every metric lie in :math:`[\lambda, \lambda(1 + g_{\max})]`), or the
+        unbounded factor of package versions up to 0.3.
+    max_gain, gain_bias : float
+        ``form="gains"``: the largest gain :math:`g_{\max}` and the gain
+        logits' initial bias.
 
     Returns
     -------
@@ -471,7 +490,8 @@ def attach(model: nn.Module, rank: int = 2, *, side: str = "key", lam_init: floa
         raise ValueError(f"attach found no attention layer in {type(model).__name__} (modules with attributes "
                          "head_dim, scaling and config, as transformers' attention layers have)")
     register()
-    spec = dict(rank=rank, side=side, lam_init=lam_init, lam_min=lam_min, strength=strength)
+    spec = dict(rank=rank, side=side, lam_init=lam_init, lam_min=lam_min, strength=strength, form=form,
+                max_gain=max_gain, gain_bias=gain_bias)
     for _, layer in layers:
         if isinstance(getattr(layer, METRIC_ATTR, None), HeadMetric):
             raise ValueError(f"{type(layer).__name__} already has a Riemannian metric: attach once")
@@ -635,6 +655,10 @@ def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
     transformers.PreTrainedModel
         (with ``output_loading_info=True``, the pair ``(model, loading_info)``).
 
+    An entry saved before ``form``, ``max_gain`` and ``gain_bias`` existed
+    (none of the three) describes the unbounded factor form and loads as
+    ``form="factor"``.
+
     Raises
     ------
     ValueError
@@ -679,7 +703,9 @@ def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
 
 
 #: The settings :func:`attach` records in ``model.config``, and what each must be.
-_SPEC_FIELDS = ("rank", "side", "lam_init", "lam_min", "strength")
+_SPEC_FIELDS = ("rank", "side", "lam_init", "lam_min", "strength", "form", "max_gain", "gain_bias")
+#: Settings added after the first release, with the values that reproduce models saved before them.
+_SPEC_ADDED = {"form": "factor", "max_gain": 4.0, "gain_bias": -4.0}
 
 
 def _check_spec(spec: dict, path) -> None:
@@ -689,6 +715,8 @@ def _check_spec(spec: dict, path) -> None:
     JSON may be an int where attach took a float (``1`` for ``1.0``).
     """
     where = f"the {CONFIG_KEY!r} entry of the config at {path}"
+    if not set(_SPEC_ADDED) & set(spec):  # saved before the metric forms existed: the unbounded factor form
+        spec.update(_SPEC_ADDED)
     unknown = sorted(set(spec) - set(_SPEC_FIELDS), key=str)
     missing = [k for k in _SPEC_FIELDS if k not in spec]
     if unknown or missing:
@@ -707,6 +735,10 @@ def _check_spec(spec: dict, path) -> None:
     if spec["side"] not in SIDES:
         raise ValueError(f"{where}: side must be one of {SIDES}, got {spec['side']!r}")
     number("strength", lambda v: v >= 0, "a finite number >= 0")
+    if spec["form"] not in METRIC_FORMS:
+        raise ValueError(f"{where}: form must be one of {METRIC_FORMS}, got {spec['form']!r}")
+    number("max_gain", lambda v: v > 0, "a finite number > 0")
+    number("gain_bias", lambda v: True, "a finite number")
     try:  # lam_init and lam_min by the rule attach() applies
         raw_from_lam(spec["lam_init"], spec["lam_min"])
     except ValueError as exc:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..geometry.transport import CONNECTIONS
 from .._checks import check_bool, check_choice as _choice, check_int as _pos_int, check_number as _number
 from ..attention.layer import AttentionConfig
-from ..geometry.metric import _F32_MAX, raw_from_lam
+from ..geometry.metric import _F32_MAX, METRIC_FORMS, raw_from_lam
 from ..geometry.scores import METRIC_SIDES
 
 __all__ = ["MODES", "FiberBundleConfig"]
@@ -77,6 +77,12 @@ class FiberBundleConfig:
     metric_bias : bool, default False
         Per-token metrics from an affine network :math:`U_i = W x_i + b`
         (a bias drawn at init with the variance of a shared factor).
+    metric_form : {"gains", "factor"}, default "gains"
+        The metric parameterisation (:class:`~riemannian_ref.geometry.metric.MetricNet`
+        ``form``): bounded directions and gains, or the unbounded factor of
+        package versions up to 0.3.
+    max_gain, gain_bias : float, default 4.0 and -4.0
+        ``metric_form="gains"``: the largest gain and the gain logits' initial bias.
     metric_subspace : int or None, default None
         Per-token metrics whose factors share one learned subspace of
         dimension :math:`m` per head and layer, :math:`U_i = B\,C_i`
@@ -164,6 +170,9 @@ class FiberBundleConfig:
     position_metric: bool = False        # one learned metric per position instead of per-token metrics
     metric_bias: bool = False            # per-token metrics from an affine network U_i = W x_i + b
     metric_subspace: int | None = None   # per-token factors U_i = B C_i in one learned m-dim subspace per head
+    metric_form: str = "gains"           # "gains" (bounded directions and gains) or "factor" (lam I + U U^T)
+    max_gain: float = 4.0                # metric_form="gains": eigenvalues of G in [lam, lam (1 + max_gain)]
+    gain_bias: float = -4.0              # metric_form="gains": initial bias of the gain logits
     lam_init: float = 1.0                # initial isotropic part lam of every metric
     learn_temperature: bool = False      # learned per-head factor on 1/tau
     connection: str | None = None        # None: "content" in fiber_bundle mode, else "trivial"
@@ -203,6 +212,9 @@ class FiberBundleConfig:
                              f"d_model={self.d_model}, n_heads={self.n_heads}")
         _choice(self.mode, "mode", MODES)
         _choice(self.metric_side, "metric_side", METRIC_SIDES)
+        _choice(self.metric_form, "metric_form", METRIC_FORMS)
+        _number(self.max_gain, "max_gain", low=0.0, low_open=True, high=_F32_MAX)
+        _number(self.gain_bias, "gain_bias", low=-_F32_MAX, high=_F32_MAX)
         if self.connection is not None:
             _choice(self.connection, "connection", CONNECTIONS)
         _choice(self.init, "init", INITS)
@@ -389,7 +401,8 @@ class FiberBundleConfig:
             scores="dot" if self.mode == "euclidean" else "metric",
             metric="shared" if self.shared_metric else "position" if self.position_metric else "token",
             metric_side=self.metric_side, metric_bias=self.metric_bias, max_positions=self.block_size,
-            subspace=self.metric_subspace,
+            subspace=self.metric_subspace, metric_form=self.metric_form, max_gain=self.max_gain,
+            gain_bias=self.gain_bias,
             rank=self.metric_rank, strength=self.metric_strength, lam_init=self.lam_init,
             learn_temperature=self.learn_temperature, connection=self.connection_resolved,
             rotary_base=self.rotary_base, content_rate_std=self.content_rate_std,

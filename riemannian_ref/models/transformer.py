@@ -137,8 +137,9 @@ class Block(nn.Module):
             self.mlp = MLP(config)
         if config.precondition_ffn_resolved:
             # G_x = lam I_D + U_x U_x^T on the model space: a one-"head" metric net of dimension D
+            # the preconditioner keeps the unbounded factor form (metric_form is about attention's metrics)
             self.ffn_metric = MetricNet(D, 1, D, config.ffn_metric_rank, lam_init=config.lam_init,
-                                        strength=config.metric_strength)
+                                        strength=config.metric_strength, form="factor")
             self.eta = nn.Parameter(torch.tensor(float(config.eta_init)))
 
     def forward(self, x: Tensor, *, key_mask: Tensor | None = None,
@@ -444,11 +445,12 @@ class FiberBundleTransformer(nn.Module):
         The file is read with ``torch.load(weights_only=True)``: only tensors
         and plain values are unpickled, and nothing stored in it is called.
         Its config must name every field of :class:`FiberBundleConfig` and no
-        other, so no field silently takes a default. Files of format 1 (older
-        versions of the package) may lack the fields added since, and only
-        those; they get the values that reproduce the model of then
-        (``position_metric=False``, ``metric_bias=False``,
-        ``scale_residual=True``, ``metric_subspace=None``). A format-1 file of
+        other, so no field silently takes a default. Files of formats 1 and 2
+        (older versions of the package) may lack the fields added since, and
+        only those; they get the values that reproduce the model of then
+        (format 1: ``position_metric=False``, ``metric_bias=False``,
+        ``scale_residual=True``, ``metric_subspace=None``; both:
+        ``metric_form="factor"``, the unbounded metrics). A format-1 file of
         a model with the content connection that lacks ``scale_residual`` is
         refused unless ``config`` names the connection's rule: version 0.2.0
         used the rule now called ``"content_source"``. The weights must match
@@ -585,19 +587,23 @@ def _resolved_connection(values: dict):
     return "content" if values.get("mode") == "fiber_bundle" else "trivial"
 
 
-#: The format of the files :meth:`FiberBundleTransformer.save` writes ("<prefix><version>"). Version 2
-#: records every config field; version-1 files (older package versions) may lack the fields added since.
+#: The format of the files :meth:`FiberBundleTransformer.save` writes ("<prefix><version>"). Versions 2
+#: and 3 record every config field; version 3 added the metric parameterisation (``metric_form``,
+#: ``max_gain``, ``gain_bias``), and files of versions 1 and 2 hold the unbounded factor form.
 _FORMAT_PREFIX = "riemannian_ref.FiberBundleTransformer/"
-_FORMAT_VERSION = 2
+_FORMAT_VERSION = 3
 _FORMAT = f"{_FORMAT_PREFIX}{_FORMAT_VERSION}"
 #: For each older format version, the config fields added since, with the values that reproduce the
 #: models of then (each field's behaviour before it existed). A file of that version may lack exactly
 #: these (it was written before some of them existed); any other missing field is refused.
+_FACTOR_FORM = {"metric_form": "factor", "max_gain": 4.0, "gain_bias": -4.0}  # metrics before version 3
 _CONFIG_MIGRATIONS: dict[int, dict[str, object]] = {
     1: {"position_metric": False,  # per-token metrics (metric fields over positions did not exist)
         "metric_bias": False,      # linear metric networks
         "scale_residual": True,    # residual projections / sqrt(2L) at init with gpt2 init or skip
-        "metric_subspace": None},  # unconstrained per-token factors
+        "metric_subspace": None,   # unconstrained per-token factors
+        **_FACTOR_FORM},
+    2: dict(_FACTOR_FORM),
 }
 _READABLE_VERSIONS = tuple(sorted({*_CONFIG_MIGRATIONS, _FORMAT_VERSION}))
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(FiberBundleConfig))
