@@ -257,6 +257,8 @@ def check_same_run(blob: dict, path: str, *, config, module: nn.Module, optimize
 
 _HISTORY_KEYS = ("step", "lr", "train_loss", "val_loss", "val_accuracy", "val_seq_accuracy", "tokens_per_s",
                  "time_s")
+#: Per-layer attention diagnostics, lists of lists (absent from checkpoints written before they existed).
+_DIAG_KEYS = ("attn_entropy", "metric_eig")
 
 
 def eval_steps(step: int, config) -> list[int]:
@@ -415,16 +417,28 @@ def validate(blob: dict, path: str, *, config, module: nn.Module, optimizer: tor
     if not 0 <= step <= config.steps:
         raise _damaged(path, "'step'", f"is {step}, outside [0, steps={config.steps}]")
     hist = blob["history"]
+    if isinstance(hist, dict) and not set(_DIAG_KEYS) & set(hist) and isinstance(hist.get("step"), list):
+        # written before the loop recorded attention diagnostics: none were recorded at those evaluations
+        hist.update({k: [[] for _ in hist["step"]] for k in _DIAG_KEYS})
     keys = set(hist)
-    if keys != set(_HISTORY_KEYS):
-        missing, extra = sorted(set(_HISTORY_KEYS) - keys, key=str), sorted(keys - set(_HISTORY_KEYS), key=str)
-        raise _damaged(path, "'history'", f"should have the keys {list(_HISTORY_KEYS)}"
+    every = (*_HISTORY_KEYS, *_DIAG_KEYS)
+    if keys != set(every):
+        missing, extra = sorted(set(every) - keys, key=str), sorted(keys - set(every), key=str)
+        raise _damaged(path, "'history'", f"should have the keys {list(every)}"
                        + (f"; missing {missing}" if missing else "") + (f"; unexpected {extra}" if extra else ""))
+
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
     for k in _HISTORY_KEYS:
         v = hist[k]
-        if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+        if not isinstance(v, list) or not all(number(x) for x in v):
             raise _damaged(path, f"'history' list {k!r}", "should be a list of numbers")
-    lengths = {k: len(hist[k]) for k in _HISTORY_KEYS}
+    for k in _DIAG_KEYS:
+        v = hist[k]
+        if not isinstance(v, list) or not all(isinstance(x, list) and all(number(y) for y in x) for x in v):
+            raise _damaged(path, f"'history' list {k!r}", "should be a list of lists of numbers (one per layer)")
+    lengths = {k: len(hist[k]) for k in every}
     if len(set(lengths.values())) != 1:
         raise _damaged(path, "'history'", f"has lists of different lengths {lengths}")
     want = eval_steps(step, config)

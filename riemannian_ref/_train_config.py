@@ -95,7 +95,8 @@ class TrainConfig:
         A checkpoint of another run is refused, listing the differences: the
         fields of this config that define the run (all but ``device``,
         ``progress``, ``checkpoint_path``, ``resume``, ``resume_hparams``,
-        ``stop_at_step`` and ``eval_batch_size``), the model's ``config`` when
+        ``stop_at_step``, ``eval_batch_size``, ``diagnostics`` and
+        ``entropy_floor``), the model's ``config`` when
         it has one, its parameter and buffer names and shapes, the optimiser's
         class, the sizes of its parameter groups and their hyper-parameters
         (see ``resume_hparams``), and the number of processes. A damaged file
@@ -107,6 +108,19 @@ class TrainConfig:
         Stop after this step (in ``[1, steps]``), saving a checkpoint there
         if ``checkpoint_path`` is set, e.g. before a job's time limit; the
         schedule is still that of ``steps``. None: run to ``steps``.
+    diagnostics : int, default 8
+        At every evaluation, record each attention layer's mean attention
+        entropy and metric size (:func:`attention_diagnostics`) on the first
+        this many validation examples, in the history's ``"attn_entropy"``
+        and ``"metric_eig"``; 0: none (only layers built from
+        :class:`~riemannian_ref.attention.layer.RiemannianAttention` are seen).
+    entropy_floor : float or None, default 0.1
+        Warn (``UserWarning``, once per layer) when a layer's mean attention
+        entropy falls below this many nats: attention collapsing onto single
+        keys, which in a language model is a sign that something sharpens
+        every row (chapter 13 of the book: an unbounded metric does). Tasks
+        that need one-hot attention (retrieval) reach it legitimately: set
+        None there. Needs ``diagnostics > 0``.
     resume_hparams : {"refuse", "new", "checkpoint"}, default "refuse"
         What a resume does when the optimiser's hyper-parameters differ from
         the checkpoint's (every key of every parameter group except
@@ -143,6 +157,8 @@ class TrainConfig:
     resume: bool = False  # continue from checkpoint_path if it exists
     stop_at_step: int | None = None  # stop early (after checkpointing), e.g. a job time limit
     resume_hparams: str = "refuse"  # changed optimiser hyper-parameters at a resume: "refuse", "new", "checkpoint"
+    diagnostics: int = 8  # validation examples for the attention entropy and metric size at every evaluation
+    entropy_floor: float | None = 0.1  # warn once per layer when its mean attention entropy (nats) falls below
 
     def __post_init__(self):
         if isinstance(self.betas, list):  # from JSON
@@ -184,12 +200,16 @@ class TrainConfig:
         if self.stop_at_step is not None:
             check_int(self.stop_at_step, "stop_at_step", 1, self.steps)
         check_choice(self.resume_hparams, "resume_hparams", ("refuse", "new", "checkpoint"))
+        check_int(self.diagnostics, "diagnostics", 0)
+        if self.entropy_floor is not None:
+            check_number(self.entropy_floor, "entropy_floor", low=0.0)
 
     def run_fields(self) -> dict:
         """The fields that define the run, as a dict: all but where it runs, how it reports, where it is
         saved, when this process stops, the evaluation batch size, and what a resume does with changed
         optimiser hyper-parameters (``device``, ``progress``, ``checkpoint_path``, ``resume``,
-        ``stop_at_step``, ``eval_batch_size``, ``resume_hparams``). A resume compares them."""
+        ``stop_at_step``, ``eval_batch_size``, ``resume_hparams``, ``diagnostics``, ``entropy_floor``).
+        A resume compares them."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in _NON_RUN_FIELDS}
 
     def replace(self, **changes) -> "TrainConfig":
@@ -199,7 +219,7 @@ class TrainConfig:
 
 # what does not change what is computed (TrainConfig.run_fields leaves these out)
 _NON_RUN_FIELDS = ("device", "progress", "checkpoint_path", "resume", "stop_at_step", "eval_batch_size",
-                   "resume_hparams")
+                   "resume_hparams", "diagnostics", "entropy_floor")
 
 #: Largest ``TrainConfig.seed``: the batch sampler's seed ``seed * 1_000_003 + rank`` stays within 64 bits.
 _MAX_SEED = 2 ** 44
@@ -214,7 +234,9 @@ class TrainResult:
     ``"val_accuracy"`` (scored positions), ``"val_seq_accuracy"`` (examples
     with every scored position right), ``"tokens_per_s"`` (input tokens of all
     ranks per second of training, evaluation excluded) and ``"time_s"``
-    (cumulative training seconds) to lists, one entry per evaluation.
+    (cumulative training seconds) to lists, one entry per evaluation, and
+    ``"attn_entropy"`` and ``"metric_eig"`` to lists of per-layer lists
+    (:func:`attention_diagnostics`; empty lists without diagnostics).
 
     Parameters
     ----------

@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict
 from typing import Callable, Sequence
 
@@ -70,6 +71,7 @@ __all__ = [
     "logits_of",
     "lr_at",
     "seed_everything",
+    "attention_diagnostics",
 ]
 
 Hook = Callable[[int, dict], None]
@@ -94,6 +96,79 @@ def seed_everything(seed: int) -> None:
         The seed.
     """
     torch.manual_seed(seed)
+
+
+@torch.no_grad()
+def attention_diagnostics(model: nn.Module, *args, **kwargs) -> dict[str, list[float]]:
+    r"""Per-layer attention entropy and metric size of a model on one batch (entropy collapse shows here).
+
+    Runs ``model(*args, **kwargs)`` once in eval mode, recording the inputs
+    of every :class:`~riemannian_ref.attention.layer.RiemannianAttention` in
+    it (module order), then runs each such layer again on its inputs with
+    ``return_weights=True``. Nothing changes in the model (its training mode
+    is restored) and nothing is drawn from any RNG.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A model whose attention layers are ``RiemannianAttention`` modules
+        (every model of this package); other layers are not seen.
+    *args, **kwargs
+        A batch, as the model's forward takes it.
+
+    Returns
+    -------
+    dict
+        ``"attn_entropy"``: for every layer, the mean entropy of its attention
+        rows in nats (over batch, heads and rows; between 0, one key, and
+        :math:`\log n`, uniform); ``"metric_eig"``: for every layer, the mean
+        over heads and tokens of the largest eigenvalue of the metric that
+        measures a pair (:math:`\lambda` plus the largest eigenvalue of
+        :math:`U^\top U`, the temperature folded in), ``nan`` for dot-product
+        layers. A layer whose entropy falls far below its start while its
+        metric grows is sharpening attention through the metric's size:
+        chapter 13 of the book.
+    """
+    from .attention.layer import RiemannianAttention
+    from .analysis.collapse import attention_entropy
+
+    _check_module(model)
+    layers = [m for m in model.modules() if isinstance(m, RiemannianAttention)]
+    seen: list[tuple[nn.Module, tuple, dict]] = []
+    handles = [m.register_forward_pre_hook(lambda mod, a, kw: seen.append((mod, a, dict(kw))), with_kwargs=True)
+               for m in layers]
+    was = model.training
+    try:
+        model.eval()
+        try:
+            model(*args, **kwargs)
+        finally:
+            for h in handles:  # before the layers run again below
+                h.remove()
+        ent, eig = [], []
+        for mod, a, kw in seen:
+            _, A = mod(*a, **{**kw, "return_weights": True})
+            ent.append(float(attention_entropy(A.float()).mean()))
+            eig.append(_metric_top_eig(mod, a, kw))
+    finally:
+        model.train(was)
+    return {"attn_entropy": ent, "metric_eig": eig}
+
+
+def _metric_top_eig(mod: nn.Module, a: tuple, kw: dict) -> float:
+    """Mean over heads and tokens of the largest eigenvalue of a RiemannianAttention layer's metric."""
+    if mod.config.scores != "metric":
+        return float("nan")
+    x = a[0] if a else kw["x"]
+    context = a[1] if len(a) > 1 else kw.get("context")
+    lam, U_q, U_k, _ = mod.geometry(x, context)
+    U = U_k if mod.config.metric_side != "query" else U_q
+    U = U.dense() if hasattr(U, "dense") else U
+    if U is None or U.shape[-1] == 0:
+        return float(lam.float().mean())
+    top = torch.linalg.eigvalsh(U.float().mT @ U.float())[..., -1]  # r x r: the nonzero spectrum of U U^T
+    lam = lam.float().view(-1, *([1] * (top.dim() - 2)))  # per head: dim 1 of top's layout [B|1, h, (n)]
+    return float((lam + top).mean())
 
 
 def logits_of(out) -> Tensor:
@@ -252,7 +327,7 @@ def _total_norm(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
 
 def _empty_history() -> dict[str, list]:
     return {k: [] for k in ("step", "lr", "train_loss", "val_loss", "val_accuracy",
-                            "val_seq_accuracy", "tokens_per_s", "time_s")}
+                            "val_seq_accuracy", "tokens_per_s", "time_s", "attn_entropy", "metric_eig")}
 
 
 def _check_scored(data: TaskData, name: str) -> None:
@@ -488,6 +563,19 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
                  "val_loss": m["loss"], "val_accuracy": m["accuracy"], "val_seq_accuracy": m["seq_accuracy"],
                  "tokens_per_s": tokens_seen / train_time if train_time > 0 else float("nan"),
                  "time_s": train_time}
+        diag = {"attn_entropy": [], "metric_eig": []}
+        if config.diagnostics:
+            diag = attention_diagnostics(module, val_data.x[:config.diagnostics].to(device))
+            for layer, e in enumerate(diag["attn_entropy"]):
+                if config.entropy_floor is not None and e < config.entropy_floor and layer not in warned \
+                        and rank == 0:
+                    warned.add(layer)
+                    warnings.warn(f"step {step}: attention layer {layer} has mean attention entropy {e:.3f} nats "
+                                  f"(below entropy_floor={config.entropy_floor}): its rows attend to single keys. "
+                                  "In a language model that is entropy collapse (with an unbounded metric, its "
+                                  "size sharpens every row: metric_form='gains' bounds it); a retrieval task may "
+                                  "need it (TrainConfig(entropy_floor=None) silences this)", stacklevel=3)
+        entry.update(diag)
         for k, v in entry.items():
             history[k].append(v)
         for hook in hooks:
@@ -498,6 +586,7 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
                              f"must not change the parameters' values to inf or NaN); no optimiser step did")
         return entry
 
+    warned: set[int] = set()  # layers whose low entropy was reported
     if start_step == 0:
         log_eval(0, 0.0, 0)
     stop = config.steps if config.stop_at_step is None else config.stop_at_step
