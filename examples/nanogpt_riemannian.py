@@ -21,6 +21,7 @@ import math
 import os
 import platform
 import time
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -97,7 +98,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
         for name, p in self.named_parameters():  # nanoGPT's init; the metric networks keep their own
-            if p.dim() == 2 and "metric" not in name:
+            if "metric" in name:  # (its gain logits start at a negative bias: zeroing it would start them at half)
+                continue
+            if p.dim() == 2:
                 std = 0.02 / math.sqrt(2 * config.n_layer) if name.endswith("c_proj.weight") else 0.02
                 nn.init.normal_(p, std=std)
             elif name.endswith("bias"):
@@ -118,6 +121,45 @@ class GPT(nn.Module):
             probs = F.softmax(logits[:, -1] / temperature, dim=-1)
             idx = torch.cat([idx, torch.multinomial(probs, 1)], dim=1)
         return idx
+
+
+@torch.no_grad()
+def attention_diagnostics(model: GPT, idx: torch.Tensor) -> dict:
+    """Per layer: the mean entropy of the attention rows (nats) and the metric's mean largest eigenvalue.
+
+    Entropy collapse (a layer attending to one key, entropy near 0 against
+    log(T) for uniform attention) is what an unbounded metric does to a
+    language model: its size multiplies the temperature. The weights are
+    recomputed densely from each layer's input (captured by a forward hook).
+    """
+    inputs = []
+    hooks = [b.attn.register_forward_pre_hook(lambda m, a: inputs.append((m, a[0]))) for b in model.h]
+    was = model.training
+    model.eval()
+    try:
+        model(idx)
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was)
+    entropy, metric_eig = [], []
+    for attn, x in inputs:
+        B, T, C = x.shape
+        q, k, v = attn.c_attn(x).split(attn.n_embd, dim=2)
+        hs = C // attn.n_head
+        q, k, v = (t.view(B, T, attn.n_head, hs).transpose(1, 2) for t in (q, k, v))
+        if attn.metric is None:
+            s = (q @ k.transpose(-1, -2)) / math.sqrt(hs)
+            w = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
+            metric_eig.append(float("nan"))
+        else:
+            lam, U = attn.metric(x)
+            _, w = rr.riemannian_attention_reference(q, k, v, is_causal=True, U_k=U, lam=lam,
+                                                     return_weights=True)
+            top = torch.linalg.eigvalsh(U.mT @ U)[..., -1]  # largest eigenvalue of U U^T, per token
+            metric_eig.append((lam.view(-1, 1) + top).mean().item())
+        entropy.append(-(w * w.clamp_min(1e-30).log()).sum(-1).mean().item())
+    return {"attn_entropy": entropy, "metric_eig": metric_eig}
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -155,14 +197,28 @@ def train(args: argparse.Namespace) -> dict:
         groups.append({"params": metric, "lr_scale": args.metric_lr_scale})
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.1)
     warmup = max(1, args.steps // 20)
+    # a fixed validation batch for the attention diagnostics (its own generator: training is unchanged)
+    probe_gen = torch.Generator().manual_seed(1234)
+    probe_ix = torch.randint(len(splits["val"]) - config.block_size - 1, (8,), generator=probe_gen)
+    probe = torch.stack([splits["val"][i:i + config.block_size] for i in probe_ix])
+    warned: set[int] = set()
     curve, t0, c0 = [], time.perf_counter(), time.process_time()
     for step in range(args.steps + 1):
         if step % args.eval_every == 0 or step == args.steps:
             losses = estimate_loss()
-            curve.append({"step": step, **losses, "time_s": time.perf_counter() - t0})
+            diag = attention_diagnostics(model, probe)
+            curve.append({"step": step, **losses, "time_s": time.perf_counter() - t0, **diag})
+            for layer, e in enumerate(diag["attn_entropy"]):
+                if args.entropy_floor is not None and e < args.entropy_floor and layer not in warned:
+                    warned.add(layer)
+                    warnings.warn(f"step {step}: layer {layer}'s attention entropy is {e:.3f} nats (uniform "
+                                  f"attention: {math.log(config.block_size):.2f}): its attention has collapsed "
+                                  "onto single keys; with a metric this is its size sharpening every row "
+                                  "(--entropy-floor sets this threshold)", stacklevel=2)
             if not args.quiet:
+                ents = " ".join(f"{e:.2f}" for e in diag["attn_entropy"])
                 print(f"step {step:5d}  train {losses['train']:.4f}  val {losses['val']:.4f}  "
-                      f"{curve[-1]['time_s']:.0f} s", flush=True)
+                      f"entropy [{ents}]  {curve[-1]['time_s']:.0f} s", flush=True)
         if step == args.steps:
             break
         lr = args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
@@ -204,6 +260,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--entropy-floor", type=float, default=0.1,
+                   help="warn when a layer's mean attention entropy (nats) falls below this")
     p.add_argument("--out", help="write the result (losses, wall time, machine) to this JSON file")
     p.add_argument("--quiet", action="store_true")
     return p.parse_args(argv)

@@ -310,18 +310,27 @@ def build_model(arm: str, vocab_size: int, a: argparse.Namespace) -> example.GPT
 # Data: the Python language reference split by topic, as rr.data.char_lm(corpus="reference").
 # ----------------------------------------------------------------------------------------------
 
-def load_text(block_size: int, smoke_chars: int | None = None):
+def load_text(block_size: int, smoke_chars: int | None = None, tuning: bool = False):
+    """The train and validation text; ``tuning``: validate on the training topics' tail instead.
+
+    With ``tuning`` the training text is split once more: its last 10% of
+    characters validate, the rest train. Settings are chosen on that tuning
+    split, so the validation topics are never seen while tuning.
+    """
     _, _, info = rr.data.char_lm(block_size=block_size)
     topics = rr.data.python_reference_topics()
     val = set(info["val_topics"])
     parts = {"train": "\n\n".join(t for n, t in topics.items() if n not in val),
              "val": "\n\n".join(t for n, t in topics.items() if n in val)}
+    if tuning:
+        k = int(len(parts["train"]) * 0.1)
+        parts = {"train": parts["train"][:-k], "val": parts["train"][-k:]}
     if smoke_chars:
         parts = {s: p[:smoke_chars] for s, p in parts.items()}
     chars = info["chars"]
     stoi = {c: i for i, c in enumerate(chars)}
     data = {s: torch.tensor([stoi[c] for c in p], dtype=torch.long) for s, p in parts.items()}
-    meta = {"source": info["source"], "val_topics": info["val_topics"],
+    meta = {"source": info["source"], "val_topics": info["val_topics"], "tuning_split": tuning,
             "n_chars": {s: len(p) for s, p in parts.items()},
             "vocab_size": len(chars),
             "sha256": {s: hashlib.sha256(p.encode()).hexdigest()[:16] for s, p in parts.items()}}
@@ -520,18 +529,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--md", default=None)
     p.add_argument("--resume", action="store_true", help="keep the runs already in --out (same settings)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--tuning-split", action="store_true",
+                   help="train on the training topics' first 90%%, validate on their last 10%% (for tuning)")
     return p.parse_args(argv)
 
 
 SETTING_KEYS = ("steps", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "rank", "lr", "log_every",
                 "eval_batches", "final_batches", "probe_batch", "val_seed", "gmax", "gain_bias", "rho_max",
-                "tanh_c", "smoke_chars")
+                "tanh_c", "smoke_chars", "tuning_split")
 
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
-    data, vocab, meta = load_text(a.block_size, a.smoke_chars)
+    data, vocab, meta = load_text(a.block_size, a.smoke_chars, a.tuning_split)
     settings = {k: getattr(a, k) for k in SETTING_KEYS}
     runs = []
     if a.resume and Path(a.out).exists():
