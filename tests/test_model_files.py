@@ -20,7 +20,7 @@ from riemannian_ref.models import transformer as tmod
 B, N = 2, 12
 V1 = "riemannian_ref.FiberBundleTransformer/1"
 # the config fields added while files were written in format 1 (none of them changes an older model)
-FACTOR_FORM = {"metric_form": "factor", "max_gain": 4.0, "gain_bias": -4.0}  # metrics of formats 1 and 2
+FACTOR_FORM = {"metric_form": "factor", "max_gain": 4.0, "gain_bias": -2.0}  # metrics of formats 1 and 2
 V1_ADDED = {"position_metric": False, "metric_bias": False, "scale_residual": True, "metric_subspace": None,
             **FACTOR_FORM}
 

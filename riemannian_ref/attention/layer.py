@@ -98,7 +98,7 @@ class AttentionConfig:
         ``form``): orthonormal directions with bounded per-token gains,
         :math:`G = \lambda(I + \sum_t \gamma_t u_t u_t^\top)`, or the unbounded
         factor :math:`G = \lambda I + U U^\top` of package versions up to 0.3.
-    max_gain, gain_bias : float, default 4.0 and -4.0
+    max_gain, gain_bias : float, default 4.0 and -2.0
         ``metric_form="gains"``: the largest gain and the gain logits' initial bias.
     metric_side : {"key", "query", "mean"}, default "key"
         Whose metric measures a pair.
@@ -159,7 +159,7 @@ class AttentionConfig:
     metric_side: str = "key"         # "key" | "query" | "mean": whose metric measures a pair
     metric_form: str = "gains"       # "gains" (bounded directions and gains) or "factor" (G = lam I + U U^T)
     max_gain: float = 4.0            # metric_form="gains": eigenvalues of G in [lam, lam (1 + max_gain)]
-    gain_bias: float = -4.0          # metric_form="gains": initial bias of the gain logits
+    gain_bias: float = -2.0          # metric_form="gains": initial bias of the gain logits
     rank: int = 2                    # r; 0 gives G = lam I
     strength: float = 1.0            # heterogeneity of the metrics at init
     lam_init: float = 1.0            # initial lambda

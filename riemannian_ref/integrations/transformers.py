@@ -245,7 +245,7 @@ class HeadMetric(nn.Module):
 
     def __init__(self, n_heads: int, head_dim: int, rank: int, *, side: str = "key", lam_init: float = 1.0,
                  lam_min: float = LAM_MIN, strength: float = 0.01, form: str = "gains", max_gain: float = 4.0,
-                 gain_bias: float = -4.0):
+                 gain_bias: float = -2.0):
         super().__init__()
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, got {side!r}")
@@ -427,7 +427,7 @@ def _attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def attach(model: nn.Module, rank: int = 2, *, side: str = "key", lam_init: float = 1.0, lam_min: float = LAM_MIN,
            strength: float = 0.01, form: str = "gains", max_gain: float = 4.0,
-           gain_bias: float = -4.0) -> nn.Module:
+           gain_bias: float = -2.0) -> nn.Module:
     r"""Give every attention layer of a ``transformers`` model a :class:`HeadMetric`.
 
     Then select the backend with ``model.set_attn_implementation("riemannian")``.
@@ -705,7 +705,7 @@ def from_pretrained(path, model_class=None, **kwargs) -> nn.Module:
 #: The settings :func:`attach` records in ``model.config``, and what each must be.
 _SPEC_FIELDS = ("rank", "side", "lam_init", "lam_min", "strength", "form", "max_gain", "gain_bias")
 #: Settings added after the first release, with the values that reproduce models saved before them.
-_SPEC_ADDED = {"form": "factor", "max_gain": 4.0, "gain_bias": -4.0}
+_SPEC_ADDED = {"form": "factor", "max_gain": 4.0, "gain_bias": -2.0}
 
 
 def _check_spec(spec: dict, path) -> None:

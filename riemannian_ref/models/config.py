@@ -81,7 +81,7 @@ class FiberBundleConfig:
         The metric parameterisation (:class:`~riemannian_ref.geometry.metric.MetricNet`
         ``form``): bounded directions and gains, or the unbounded factor of
         package versions up to 0.3.
-    max_gain, gain_bias : float, default 4.0 and -4.0
+    max_gain, gain_bias : float, default 4.0 and -2.0
         ``metric_form="gains"``: the largest gain and the gain logits' initial bias.
     metric_subspace : int or None, default None
         Per-token metrics whose factors share one learned subspace of
@@ -172,7 +172,7 @@ class FiberBundleConfig:
     metric_subspace: int | None = None   # per-token factors U_i = B C_i in one learned m-dim subspace per head
     metric_form: str = "gains"           # "gains" (bounded directions and gains) or "factor" (lam I + U U^T)
     max_gain: float = 4.0                # metric_form="gains": eigenvalues of G in [lam, lam (1 + max_gain)]
-    gain_bias: float = -4.0              # metric_form="gains": initial bias of the gain logits
+    gain_bias: float = -2.0              # metric_form="gains": initial bias of the gain logits
     lam_init: float = 1.0                # initial isotropic part lam of every metric
     learn_temperature: bool = False      # learned per-head factor on 1/tau
     connection: str | None = None        # None: "content" in fiber_bundle mode, else "trivial"

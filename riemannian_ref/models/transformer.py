@@ -596,7 +596,7 @@ _FORMAT = f"{_FORMAT_PREFIX}{_FORMAT_VERSION}"
 #: For each older format version, the config fields added since, with the values that reproduce the
 #: models of then (each field's behaviour before it existed). A file of that version may lack exactly
 #: these (it was written before some of them existed); any other missing field is refused.
-_FACTOR_FORM = {"metric_form": "factor", "max_gain": 4.0, "gain_bias": -4.0}  # metrics before version 3
+_FACTOR_FORM = {"metric_form": "factor", "max_gain": 4.0, "gain_bias": -2.0}  # metrics before version 3
 _CONFIG_MIGRATIONS: dict[int, dict[str, object]] = {
     1: {"position_metric": False,  # per-token metrics (metric fields over positions did not exist)
         "metric_bias": False,      # linear metric networks
