@@ -178,5 +178,20 @@ def test_experiment_script_smoke(tmp_path):
     assert by["paired"]["dot_matched_minus_metric_kl"]["n"] == 2
     assert by["paired"]["dot_minus_metric_kl"]["n"] == 2
     assert res["command"].startswith("python experiments/score_rank_task.py") and res["wall_s"] > 0
+    assert by["tuned_lr_at_edge"] == []  # one rate: no grid, so no edge
+    mod.main(["--ds", "2", "--n", "8", "--steps", "5", "--lrs", "1e-3,1e-2", "--seeds", "0,1",
+              "--arms", "dot,metric", "--out", str(out)])
+    by = json.loads(out.read_text())["by_d"]["2"]
+    assert by["tuned_lr_at_edge"] == ["dot", "metric"]  # two rates: every choice is an end
     with pytest.raises(ValueError, match="--arms"):
         mod.main(["--arms", "dot,attention", "--out", str(out)])
+
+
+def test_experiment_script_pick_lr():
+    """The tuned rate is the smallest whose KL ties the best (converged runs differ by round-off)."""
+    pick = experiment_script("score_rank_task.py").pick_lr
+    lrs = [1e-3, 1e-2, 1e-1]
+    assert pick({"0.001": 0.5, "0.01": 0.2, "0.1": 0.3}, lrs) == 1e-2
+    assert pick({"0.001": 0.5, "0.01": 0.2 * (1 + 1e-5), "0.1": 0.2}, lrs) == 1e-2  # relative tie
+    assert pick({"0.001": 3e-11, "0.01": 1e-12, "0.1": -1e-17}, lrs) == 1e-3  # all at round-off
+    assert pick({"0.001": 1e-6, "0.01": 1e-8, "0.1": 1e-12}, lrs) == 1e-1
