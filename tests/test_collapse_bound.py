@@ -17,7 +17,7 @@ from riemannian_ref.analysis import (attention_entropy, collapse_bound, collapse
                                      linear_probe_accuracy, token_radius)
 
 DT = torch.float64
-METRIC = dict(mode="riemannian", metric_rank=2)
+METRIC = dict(mode="riemannian", metric_rank=2, metric_form="factor")  # the form the bound is derived for
 TOKEN_VARIANTS = {  # the theorem's hypothesis: metrics computed from the token states
     "euclidean": dict(mode="euclidean"),
     "l2": dict(mode="riemannian", metric_rank=0, metric_strength=0.0),
@@ -49,7 +49,7 @@ def _inputs(seed=0, n=8, D=16):
 # ----------------------------------------------------------------- metric options
 def test_affine_metric_net_is_lipschitz_with_the_weight_and_nonzero_at_zero():
     torch.manual_seed(0)
-    net = rr.MetricNet(8, 2, 4, 3, bias=True).double()
+    net = rr.MetricNet(8, 2, 4, 3, bias=True, form="factor").double()
     assert net.proj.bias is not None and net.proj.bias.abs().max() > 0  # a state-independent part at init
     x, y = torch.randn(2, 1, 5, 8, dtype=DT)
     _, Ux = net(x)
@@ -66,7 +66,7 @@ def test_affine_metric_net_is_lipschitz_with_the_weight_and_nonzero_at_zero():
 
 def test_position_metric_ignores_the_state_and_covers_n_positions():
     torch.manual_seed(0)
-    net = rr.MetricNet(8, 2, 4, 3, n_positions=6).double()
+    net = rr.MetricNet(8, 2, 4, 3, n_positions=6, form="factor").double()
     x = torch.randn(3, 5, 8, dtype=DT)
     lam, U = net(x)
     assert U.shape == (1, 2, 5, 4, 3)
@@ -223,3 +223,9 @@ def test_linear_probe_reads_a_signal_above_its_precision_and_not_below():
         linear_probe_accuracy(X[:N], y[:N].double(), X[N:], y[N:])
     with pytest.raises(ValueError, match="test_x must have 6 features"):
         linear_probe_accuracy(X[:N], y[:N], X[N:, :3], y[N:])
+
+
+def test_the_bounded_gains_form_is_refused_not_bounded_wrongly():
+    attn = _layer(**dict(METRIC, metric_form="gains"))
+    with pytest.raises(ValueError, match="metric_form='gains'"):
+        collapse_bound(attn, torch.zeros(16, dtype=DT), 0.1)

@@ -462,7 +462,9 @@ def collapse_bound(attn, center: Tensor, radius: float, *, n: int | None = None)
     ----------
     attn : RiemannianAttention
         A self-attention module with the trivial connection (no mask is
-        assumed).
+        assumed), dot-product or with metrics of ``metric_form="factor"``
+        (or rank 0); the bounded ``"gains"`` form (the default) is refused:
+        its constant is not implemented.
     center : Tensor, shape [D]
         The mean token :math:`\bar x`.
     radius : float
@@ -495,6 +497,12 @@ def collapse_bound(attn, center: Tensor, radius: float, *, n: int | None = None)
         return 3, (4 * m * kappa * torch.exp(2 * kappa * eps ** 2)).sum()
     net = attn.metric
     h, d, r = cfg.n_heads, cfg.qk_dim, cfg.rank
+    if r > 0 and net.form != "factor":
+        raise ValueError(f"collapse_bound computes the constant of metrics in the factor form "
+                         f"G = lam I + U U^T with U = W x + b; this layer has metric_form={net.form!r} "
+                         f"(orthonormalised directions with bounded gains, whose Lipschitz constant is not "
+                         f"implemented here): build it with metric_form='factor', or measure the map with "
+                         f"collapse_map")
     t = attn.log_temp.exp().to(dt) if attn.log_temp is not None else torch.ones(h, dtype=dt)
     lam = net.lam().to(dt) * t  # (h,)
     c = torch.einsum("hDd,D->hd", Q - K, center).norm(dim=-1)  # |(Q - K)^T xbar|   (h,)
