@@ -437,10 +437,10 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
             linear("metric", D, h * r)
             parts["metric"]["elementwise_fwd"] += n * width * r * (2 * r + 4) + 4 * n * h * r
             parts["metric"]["elementwise_bwd"] += 2 * n * width * r * (2 * r + 4) + 8 * n * h * r
-            # (fitted to saved-tensor hooks at r = 2, 3 and m = 2, 3: within 2% without a subspace, 15% with
+            # (fitted to saved-tensor hooks at r = 1..6 and m = 2, 3: within 1% without a subspace, 15% with
             # one, where the coefficients' inner products go through the basis' Gram matrix)
             if m is None:
-                act["metric"] += n * width * (2.5 * r + 0.7 * r * (r - 1)) + 6 * n * h * r
+                act["metric"] += n * width * (0.53 * r * r + 2.9 * r - 1)
             else:
                 act["metric"] += n * width * (9.5 * r + 3.5 * r * (r - 1))
         if per_token and m is not None:
