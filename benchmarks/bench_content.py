@@ -14,7 +14,9 @@ connection with transported values), forward + backward of:
   and sines and one product per pair: the floor of any content connection);
   the differences price value transport and the metric's rank products;
 * ``layer``: the whole ``RiemannianAttention`` module (projections, metric and
-  rate networks, the kernel); ``layer - kernel`` is the matrix products around it;
+  rate networks, the kernel; the metric in the form ``--metric-form``, default
+  ``factor``, G = lam I + U U^T, that of the stored results, while ``gains`` is
+  the package default); ``layer - kernel`` is the matrix products around it;
 * ``dense path`` (``RR_DISABLE_CKERNEL=1``, n <= 512 only: it keeps n^2 d
   activations), ``flat connection`` (the common frame and the blockwise
   operator), ``riemannian`` (the same metric, no connection) and ``sdpa``.
@@ -48,13 +50,14 @@ def inputs(n, B=2, h=2, d=64, r=2, seed=0):
                 lam=torch.ones(h, requires_grad=True))
 
 
-def cases(x, n):
+def cases(x, n, metric_form="factor"):
     def conn(**kw):
         base = dict(is_causal=True, U_k=x["U"], lam=x["lam"], connection="content", rates=x["rates"])
         base.update(kw)
         return lambda: rr.connection_attention(x["q"], x["k"], x["v"], **base)
 
-    cfg = rr.AttentionConfig(d_model=128, n_heads=2, head_dim=64, rank=2, connection="content", causal=True)
+    cfg = rr.AttentionConfig(d_model=128, n_heads=2, head_dim=64, rank=2, connection="content", causal=True,
+                             metric_form=metric_form)
     torch.manual_seed(0)
     layer = rr.RiemannianAttention(cfg)
     xs = torch.randn(2, n, 128, requires_grad=True)
@@ -98,6 +101,9 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--metric-form", choices=("factor", "gains"), default="factor",
+                   help="the layer's metric parameterisation: factor (G = lam I + U U^T), the form the stored "
+                        "results were made with, or gains (bounded gains), the package default")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_content_cpu"))
     args = p.parse_args()
     if args.quick:
@@ -105,11 +111,11 @@ def main():
     torch.set_num_threads(args.threads)
     t_start = time.time()
     info = machine_info(args.threads)
-    info.update(load_before=os.getloadavg(), reps=args.reps,
+    info.update(load_before=os.getloadavg(), reps=args.reps, metric_form=args.metric_form,
                 command="python " + " ".join(["benchmarks/bench_content.py"] + sys.argv[1:]))
     rows = []
     for n in args.ns:
-        fs = cases(inputs(n), n)
+        fs = cases(inputs(n), n, args.metric_form)
         for f in fs.values():
             fwd_bwd(f)  # warm up (and build the kernel)
         rounds = {name: [] for name in fs}
@@ -124,7 +130,8 @@ def main():
     lines = ["# The content connection's time, piece by piece (CPU)", "",
              f"Machine: {info['cpu']} ({info['cores']} cores, shared with other jobs), torch {info['torch']}, "
              f"{info['threads']} threads, float32. Batch 2, 2 heads of dimension 64, metric rank 2 (key side), "
-             f"causal, forward + backward; medians over {info['reps']} interleaved rounds, ratios within a "
+             f"causal, forward + backward (the layer's metric form: {info['metric_form']}); medians over "
+             f"{info['reps']} interleaved rounds, ratios within a "
              "round. LOAD "
              f"Command: `{info['command']}`.", "",
              "| n | what | ms | / sdpa | / kernel |", "|---:|:---|---:|---:|---:|"]

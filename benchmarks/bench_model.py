@@ -9,7 +9,9 @@ For every sequence length n and mode (``FiberBundleConfig.small`` with width
 ``match_width`` to the Euclidean model's parameter count), one training step (forward, cross-entropy, backward, AdamW)
 on a batch of ``--batch`` random token sequences is timed alternately with the
 Euclidean model's step (``--reps`` rounds; the median of the per-round ratios),
-on all cores. Next to it:
+on all cores. Metrics are built in the form ``--metric-form`` (default
+``factor``, G = lam I + U U^T, the form of the stored results; ``gains`` is
+the package default), recorded in the result. Next to it:
 
 * the whole-model FLOP ratio of :func:`riemannian_ref.models.budget.estimate_cost`
   (matrix products and elementwise work, forward and backward), and
@@ -69,10 +71,16 @@ MODES = {"euclidean": dict(mode="euclidean"), "riemannian": dict(mode="riemannia
 BASE = dict(d_model=128, n_heads=2, head_dim=64)
 
 
-def config(mode: str, n: int) -> rr.FiberBundleConfig:
+#: ``--metric-form``: the metric parameterisations, the stored results' first.
+METRIC_FORMS = ("factor", "gains")
+METRIC_FORM_HELP = ("metric parameterisation: factor (G = lam I + U U^T), the form the stored results were made "
+                    "with, or gains (bounded gains), the package default")
+
+
+def config(mode: str, n: int, metric_form: str = "factor") -> rr.FiberBundleConfig:
     """The mode's config at sequence length n, resized to the Euclidean model's parameter count."""
     eu = rr.FiberBundleConfig.small(block_size=n, mode="euclidean", **BASE)
-    cfg = rr.FiberBundleConfig.small(block_size=n, **BASE, **MODES[mode])
+    cfg = rr.FiberBundleConfig.small(block_size=n, metric_form=metric_form, **BASE, **MODES[mode])
     if mode == "euclidean":
         return cfg
     return rr.match_width(cfg, rr.count_parameters(eu)["total"])
@@ -123,9 +131,9 @@ def component_times(model, cfg, batch, reps):
     return out
 
 
-def mem_child(mode, n, batch):
+def mem_child(mode, n, batch, metric_form):
     torch.set_num_threads(1)
-    cfg = config(mode, n)
+    cfg = config(mode, n, metric_form)
     _, step = make_step(cfg, batch)
     for _ in range(2):
         with open("/proc/self/clear_refs", "w") as f:
@@ -136,10 +144,10 @@ def mem_child(mode, n, batch):
     return max(peak - before, 0)
 
 
-def measure_mem(mode, n, batch):
+def measure_mem(mode, n, batch, metric_form):
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, __file__, "--mem-child", mode, str(n), str(batch)], capture_output=True,
-                         text=True, env=env, check=True)
+    res = subprocess.run([sys.executable, __file__, "--mem-child", mode, str(n), str(batch),
+                          "--metric-form", metric_form], capture_output=True, text=True, env=env, check=True)
     return int(res.stdout.strip().splitlines()[-1])
 
 
@@ -163,15 +171,16 @@ TARGET_MODES = {"euclidean": dict(mode="euclidean"), "riemannian": dict(mode="ri
                 "fiber_bundle/cumulative": dict(mode="fiber_bundle", connection="cumulative")}
 
 
-def target_config(mode: str, n: int) -> rr.FiberBundleConfig:
-    return rr.FiberBundleConfig(block_size=n, d_model=128, n_heads=2, n_layers=2, **TARGET_MODES[mode])
+def target_config(mode: str, n: int, metric_form: str = "factor") -> rr.FiberBundleConfig:
+    return rr.FiberBundleConfig(block_size=n, d_model=128, n_heads=2, n_layers=2, metric_form=metric_form,
+                                **TARGET_MODES[mode])
 
 
-def target_child(mode: str, n: int, steps: int) -> dict:
+def target_child(mode: str, n: int, steps: int, metric_form: str) -> dict:
     """One process, one mode: median seconds of ``steps`` training steps (after one warm-up) and the peak
     extra resident memory of a step (VmHWM reset before it, minus the resident set before it)."""
     torch.set_num_threads(2)
-    _, step = make_step(target_config(mode, n), 2)
+    _, step = make_step(target_config(mode, n, metric_form), 2)
     step()
     times = []
     for _ in range(steps):
@@ -190,7 +199,7 @@ def targets(args):
     the modes interleaved round by round (ratios within a round, then the median over rounds)."""
     t_start = time.time()
     info = machine_info(2)
-    info.update(load_before=os.getloadavg(), batch=2, rounds=args.reps, seed=0,
+    info.update(load_before=os.getloadavg(), batch=2, rounds=args.reps, seed=0, metric_form=args.metric_form,
                 command="python " + " ".join(["benchmarks/bench_model.py"] + sys.argv[1:]))
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
     rows = []
@@ -200,7 +209,8 @@ def targets(args):
         steps = 1 if n > 2048 else 3
         for _ in range(args.reps):
             for mode in res:
-                out = subprocess.run([sys.executable, __file__, "--target-child", mode, str(n), str(steps)],
+                out = subprocess.run([sys.executable, __file__, "--target-child", mode, str(n), str(steps),
+                                      "--metric-form", args.metric_form],
                                      capture_output=True, text=True, env=env, check=True)
                 res[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
                 print(n, mode, res[mode][-1], flush=True)
@@ -224,8 +234,9 @@ def targets(args):
     lines = ["# The Fiber Bundle Transformer's targets: one training step (CPU)", "",
              f"Machine: {info['cpu']} ({info['cores']} cores, shared with other jobs), torch {info['torch']}, "
              "2 threads, float32. `FiberBundleConfig(mode=..., block_size=n, d_model=128, n_heads=2, "
-             "n_layers=2)` (the defaults otherwise: metric rank 2, key side, causal; `fiber_bundle` with its "
-             "default content connection), batch 2, AdamW; every mode in its own process, the modes "
+             f"n_layers=2, metric_form=\"{info['metric_form']}\")` (the defaults otherwise: metric rank 2, key "
+             "side, causal; `fiber_bundle` with its default content connection), batch 2, AdamW; every mode in "
+             "its own process, the modes "
              f"interleaved over {info['rounds']} rounds, ratios within a round, medians over rounds. Peak "
              "memory: the resident-set high-water mark of a step minus the resident set before it. Load "
              f"average before: {', '.join(f'{x:.2f}' for x in info['load_before'])}; after: "
@@ -253,6 +264,7 @@ def main():
     p.add_argument("--min-time", type=float, default=0.5, help="seconds of Euclidean steps per round")
     p.add_argument("--max-pairwise-gib", type=float, default=2.0)
     p.add_argument("--no-mem", action="store_true")
+    p.add_argument("--metric-form", choices=METRIC_FORMS, default="factor", help=METRIC_FORM_HELP)
     p.add_argument("--quick", action="store_true", help="n = 128, 256; 2 rounds")
     p.add_argument("--out", default=str(ROOT / "results" / "bench_model_cpu"))
     p.add_argument("--mem-child", nargs=3, help=argparse.SUPPRESS)
@@ -262,11 +274,11 @@ def main():
     args = p.parse_args()
     if args.mem_child:
         mode, n, batch = args.mem_child
-        print(mem_child(mode, int(n), int(batch)))
+        print(mem_child(mode, int(n), int(batch), args.metric_form))
         return
     if args.target_child:
         mode, n, steps = args.target_child
-        print(json.dumps(target_child(mode, int(n), int(steps))))
+        print(json.dumps(target_child(mode, int(n), int(steps), args.metric_form)))
         return
     if args.targets:
         targets(args)
@@ -276,16 +288,16 @@ def main():
     t_start = time.time()
     threads = torch.get_num_threads()
     info = machine_info(threads)
-    info.update(load_before=os.getloadavg(), batch=args.batch, reps=args.reps, seed=0,
+    info.update(load_before=os.getloadavg(), batch=args.batch, reps=args.reps, seed=0, metric_form=args.metric_form,
                 command="python " + " ".join(["benchmarks/bench_model.py"] + sys.argv[1:]),
                 cuda=torch.cuda.is_available())
     rows = []
     for n in args.ns:
-        eu_cfg = config("euclidean", n)
+        eu_cfg = config("euclidean", n, args.metric_form)
         eu_model, eu_step = make_step(eu_cfg, args.batch)
         eu_cost = estimate_cost(eu_cfg, n, batch=args.batch)
         for mode in args.modes:
-            cfg = config(mode, n)
+            cfg = config(mode, n, args.metric_form)
             cost = estimate_cost(cfg, n, batch=args.batch, fused_content=_content_cpu.available())
             row = dict(n=n, mode=mode, d_model=cfg.d_model, params=rr.count_parameters(cfg)["total"],
                        flop_ratio=cost["flops"]["total"]["total"] / eu_cost["flops"]["total"]["total"],
@@ -317,7 +329,7 @@ def main():
                        ratio_rounds=ratios, shares=shares, load=os.getloadavg()[0])
             row["measured_over_predicted"] = row["ratio"] / row["flop_ratio"]
             if not args.no_mem:
-                row["peak_MiB"] = measure_mem(mode, n, args.batch) / 2 ** 20
+                row["peak_MiB"] = measure_mem(mode, n, args.batch, args.metric_form) / 2 ** 20
             rows.append(row)
             print(f"n={n} {mode}: D={cfg.d_model} step {row['step_ms']:.0f} ms, ratio {row['ratio']:.2f}, "
                   f"FLOP ratio {row['flop_ratio']:.2f}, meas/pred {row['measured_over_predicted']:.2f}, "
@@ -339,7 +351,8 @@ def write(args, info, rows, t_start):
     lines = ["# Training step of the Fiber Bundle Transformer against the Euclidean model (CPU)", "",
              f"Machine: {info['cpu']} ({info['cores']} cores, shared with other jobs), torch {info['torch']}, "
              f"{info['threads']} threads, float32. `FiberBundleConfig.small(d_model=128, n_heads=2, head_dim=64)` (4 layers, metric "
-             f"rank 4) in each mode, width matched to the Euclidean model's parameter count; batch {info['batch']}, seed 0; "
+             f"rank 4, metric form {info['metric_form']}) in each mode, width matched to the Euclidean model's "
+             f"parameter count; batch {info['batch']}, seed 0; "
              f"AdamW step. Ratios: medians over {info['reps']} alternating rounds. Load average (1, 5, 15 min) "
              f"before: {', '.join(f'{x:.2f}' for x in info['load_before'])}; after: "
              f"{', '.join(f'{x:.2f}' for x in info['load_after'])}. Wall time {info['wall_s'] / 60:.0f} min. "

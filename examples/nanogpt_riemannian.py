@@ -42,6 +42,7 @@ class GPTConfig:
     attention: str = "riemannian"  # "riemannian" or "sdpa" (the unchanged nanoGPT)
     rank: int = 2                # rank r of each token's metric factor U
     strength: float = 1.0        # size of U at init (rr.MetricNet's default)
+    metric_form: str | None = None  # "gains" or "factor" (G = lam I + U U^T); None: rr.MetricNet's default
 
 
 class CausalSelfAttention(nn.Module):
@@ -54,9 +55,10 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.metric = None
         if config.attention == "riemannian":  # (1) lam per head, U [d, r] per token
+            form = {} if config.metric_form is None else {"form": config.metric_form}
             self.metric = rr.MetricNet(config.n_embd, config.n_head,
                                        config.n_embd // config.n_head, config.rank,
-                                       strength=config.strength)
+                                       strength=config.strength, **form)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -156,7 +158,8 @@ def attention_diagnostics(model: GPT, idx: torch.Tensor) -> dict:
             lam, U = attn.metric(x)
             _, w = rr.riemannian_attention_reference(q, k, v, is_causal=True, U_k=U, lam=lam,
                                                      return_weights=True)
-            top = torch.linalg.eigvalsh(U.mT @ U)[..., -1]  # largest eigenvalue of U U^T, per token
+            top = (torch.linalg.eigvalsh(U.mT @ U)[..., -1] if U.shape[-1]  # largest eigenvalue of U U^T
+                   else U.new_zeros(U.shape[:-2]))                       # per token (rank 0: none)
             metric_eig.append((lam.view(-1, 1) + top).mean().item())
         entropy.append(-(w * w.clamp_min(1e-30).log()).sum(-1).mean().item())
     return {"attn_entropy": entropy, "metric_eig": metric_eig}
@@ -172,7 +175,7 @@ def train(args: argparse.Namespace) -> dict:
     splits = {"train": data[:n], "val": data[n:]}
     config = GPTConfig(block_size=args.block_size, vocab_size=len(chars), n_layer=args.n_layer,
                        n_head=args.n_head, n_embd=args.n_embd, attention=args.attention, rank=args.rank,
-                       strength=args.strength)
+                       strength=args.strength, metric_form=args.metric_form)
     model = GPT(config)
     gen = torch.Generator().manual_seed(args.seed)
 
@@ -247,6 +250,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention", choices=["riemannian", "sdpa"], default="riemannian")
     p.add_argument("--rank", type=int, default=2)
     p.add_argument("--strength", type=float, default=1.0, help="size of the metric factors at init")
+    p.add_argument("--metric-form", choices=["gains", "factor"],
+                   help="metric parameterisation (default: rr.MetricNet's, bounded gains); factor:\n"
+                        "G = lam I + U U^T, unbounded (the form of the book's stored runs)")
     p.add_argument("--text", help="a text file (default: docstrings of Python's standard library)")
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch-size", type=int, default=32)

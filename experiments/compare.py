@@ -31,7 +31,10 @@ Tasks (``--task``):
   preconditioned FFN). ``--arms`` picks a subset.
 
 Writes ``--out`` (small JSON: the protocol's result plus the task, the model
-configs, the parameter counts, the command and the machine). Re-running with
+configs, the parameter counts, the command and the machine). Metric models
+are built with ``--metric-form`` (default ``factor``, G = lam I + U U^T, the
+form of the stored results; ``gains`` is the package default, not the
+script's), recorded in the file. Re-running with
 the same arguments reproduces every number except the measured times; the
 matched wall-clock step budgets are measured, and ``--wallclock-steps`` gives
 them back to reproduce a file exactly. Run it niced on a shared machine:
@@ -55,7 +58,7 @@ from tqdm.auto import tqdm
 import riemannian_ref as rr
 from riemannian_ref._io import atomic_write_text
 from riemannian_ref.protocol import Arm
-from train import ModelConfig, TaskConfig, model_config, task_data
+from train import METRIC_FORM_HELP, METRIC_FORMS, ModelConfig, TaskConfig, model_config, task_data
 
 #: Every arm the script knows: the mode and the FiberBundleConfig fields it sets.
 ARMS = {
@@ -78,6 +81,7 @@ def main(argv=None):
     ap.add_argument("--n-layers", type=int, default=2)
     ap.add_argument("--n-heads", type=int, default=2)
     ap.add_argument("--metric-rank", type=int, default=2)
+    ap.add_argument("--metric-form", choices=METRIC_FORMS, default="factor", help=METRIC_FORM_HELP)
     ap.add_argument("--n-keys", type=int, default=16, help="recall: key symbols")
     ap.add_argument("--n-values", type=int, default=8, help="recall: value symbols")
     ap.add_argument("--n-pairs", type=int, default=6, help="recall: pairs in the context")
@@ -117,7 +121,7 @@ def main(argv=None):
     V, n, C = probe_train.vocab_size, probe_train.seq_len, probe_train.n_classes
 
     base = ModelConfig(mode="euclidean", d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
-                       metric_rank=a.metric_rank)
+                       metric_rank=a.metric_rank, metric_form=a.metric_form)
     cfgs, counts = {}, {}
     target_params = None
     for name in arm_names:
@@ -153,7 +157,7 @@ def main(argv=None):
                      workers=a.workers, progress=progress)
     bar.close()
     record = {
-        "experiment": f"compare_{a.task}", "task": dataclasses.asdict(tc),
+        "experiment": f"compare_{a.task}", "task": dataclasses.asdict(tc), "metric_form": a.metric_form,
         "data": {"n_train": len(probe_train), "vocab_size": V, "seq_len": n, "n_classes": C},
         "arms": {name: {"mode": ARMS[name][0], "fields": ARMS[name][1]} for name in arm_names},
         "models": {name: dataclasses.asdict(cfg) for name, cfg in cfgs.items()}, "param_counts": counts,

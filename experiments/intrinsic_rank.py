@@ -19,7 +19,9 @@ matrices:
 
 ``--part trainability`` writes ``--out`` (results/compare_lookup_headdim.json):
 one-head associative recall (``rr.pair_lookup``, ``rr.RecallHead``) for
-dot-product and distance heads at several head dimensions, compared under
+dot-product, distance and metric heads at several head dimensions (metrics in
+the form ``--metric-form``, default ``factor``, G = lam I + U U^T, that of
+the stored results; ``gains`` is the package default), compared under
 ``rr.compare`` (learning rate tuned per arm on a tuning seed, five evaluation
 seeds, steps to 95% validation accuracy).
 
@@ -38,12 +40,32 @@ import sys
 import time
 
 import torch
+import torch.nn as nn
 from tqdm import tqdm
 
 import riemannian_ref as rr
 from riemannian_ref._io import atomic_write_text
 from riemannian_ref.analysis.intrinsic import FitConfig, best_rank_risk, kernel_statistic, population_risk
 from riemannian_ref.protocol import Arm
+
+
+class RecallHead(rr.RecallHead):
+    """``rr.RecallHead`` whose metric has the parameterisation ``metric_form``.
+
+    ``rr.RecallHead`` takes the package's default form; this builds the same
+    modules in the same order (the same random draws) with the form given.
+    """
+
+    def __init__(self, n_keys: int, n_values: int, d_model: int, head_dim: int, *, scores: str = "dot",
+                 metric_rank: int = 2, metric_form: str = "factor"):
+        nn.Module.__init__(self)
+        self.n_keys, self.n_values = n_keys, n_values
+        self.E_k = nn.Embedding(n_keys, d_model)
+        self.E_v = nn.Embedding(n_values + 1, d_model, padding_idx=n_values)
+        self.attn = rr.RiemannianAttention(rr.AttentionConfig(
+            d_model=d_model, n_heads=1, head_dim=head_dim, v_head_dim=d_model, cross_attention=True,
+            scores=scores, rank=metric_rank, metric_form=metric_form))
+        self.out = nn.Linear(d_model, n_values)
 
 
 def draw(args, g):
@@ -149,8 +171,9 @@ def trainability(args) -> dict:
     for head, scores, metric_rank, dims in (("dot", "dot", 0, args.head_dims), ("distance", "metric", 0, args.head_dims),
                                             ("metric", "metric", args.metric_rank, args.metric_head_dims)):
         for hd in dims:
-            arms[f"{head}-d{hd}"] = Arm(lambda s=scores, r=metric_rank, h=hd: rr.RecallHead(
-                args.n_keys, args.n_values, args.d_model, h, scores=s, metric_rank=r))
+            arms[f"{head}-d{hd}"] = Arm(lambda s=scores, r=metric_rank, h=hd: RecallHead(
+                args.n_keys, args.n_values, args.d_model, h, scores=s, metric_rank=r,
+                metric_form=args.metric_form))
     config = rr.TrainConfig(steps=args.recall_steps, batch_size=args.recall_batch, eval_interval=args.eval_every,
                             schedule="constant", warmup_steps=0, grad_clip=None, betas=(0.9, 0.999),
                             device=args.device)
@@ -190,6 +213,9 @@ def main():
     p.add_argument("--head-dims", type=int, nargs="+", default=[1, 2, 3, 4, 8])
     p.add_argument("--metric-head-dims", type=int, nargs="+", default=[1, 2])
     p.add_argument("--metric-rank", type=int, default=2)
+    p.add_argument("--metric-form", choices=("factor", "gains"), default="factor",
+                   help="trainability: the metric heads' parameterisation: factor (G = lam I + U U^T), the form "
+                        "the stored results were made with, or gains (bounded gains), the package default")
     p.add_argument("--n-keys", type=int, default=32)
     p.add_argument("--n-values", type=int, default=16)
     p.add_argument("--n-pairs", type=int, default=8)

@@ -14,7 +14,10 @@ else at the example's defaults):
 * ``metric-small-init``: rank 2 started at strength 0.01;
 * ``metric-slow``: rank 2, the metric networks at a tenth of the learning rate.
 
-One seed and 300 steps: a diagnosis, not a comparison. Writes ``--out`` (small
+Every variant builds its metric networks in the form ``--metric-form``
+(default ``factor``, G = lam I + U U^T, the form of the stored results;
+``gains``, bounded gains, is the package default and the example's). One seed
+and 300 steps: a diagnosis, not a comparison. Writes ``--out`` (small
 JSON: every run's curve, final losses and times). Run it niced on a shared
 machine:
 
@@ -48,19 +51,24 @@ def main(argv=None) -> None:
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--metric-form", choices=("factor", "gains"), default="factor",
+                    help="metric parameterisation: factor (G = lam I + U U^T), the form the stored results were "
+                         "made with, or gains (bounded gains), the package default")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     runs = {}
     for name in a.variants:
         args = example.parse_args(VARIANTS[name] + ["--steps", str(a.steps), "--n-layer", str(a.n_layer),
-                                                    "--eval-every", str(a.eval_every), "--quiet"])
+                                                    "--eval-every", str(a.eval_every), "--metric-form", a.metric_form,
+                                                    "--quiet"])
         res = example.train(args)
         res.pop("sample", None)
         runs[name] = res
         print(f"{name:18s} val {res['val_loss']:.4f}  train {res['train_loss']:.4f}  "
               f"{res['wall_time_s']:.0f} s", flush=True)
     record = {"experiment": "nanogpt_stall", "steps": a.steps, "n_layer": a.n_layer, "seed": 0,
+              "metric_form": a.metric_form,
               "variants": {k: VARIANTS[k] for k in a.variants}, "runs": runs,
               "wall_s": time.perf_counter() - t0, "nice": os.nice(0),
               "command": "python experiments/nanogpt_stall.py " + " ".join(sys.argv[1:] if argv is None else argv)}

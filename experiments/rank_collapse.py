@@ -10,6 +10,9 @@ matrices (the distance of a path product to rank one). Per seed the values are
 averaged over the batch (log10 for residuals); the file stores the per-seed
 values so the chapters can compute means and intervals.
 
+Metrics are built in the form `--metric-form` (default `factor`, G = lam I + U U^T,
+the form of the stored results; `gains` is the package default).
+
 Part "trained" trains a depth-`--train-depth` classifier on the counting task
 for `--train-steps` Adam steps (`riemannian_ref.train`) and records the same
 profile on held-out inputs before and after training.
@@ -107,7 +110,8 @@ def run_init(args, variants, jobs, bar) -> dict:
                 torch.manual_seed(seed)
                 cfg = rr.FiberBundleConfig.attention_stack(d_model=args.d_model, n_heads=args.heads,
                                                            n_layers=args.depth, skip=skip, mlp=mlp, layer_norm=ln,
-                                                           qk_gain=gain, **over)
+                                                           qk_gain=gain, metric_form=args.metric_form,
+                                                           **over)
                 stack = rr.FiberBundleTransformer(cfg).double()
                 g = torch.Generator().manual_seed(10_000 + seed)
                 X = torch.randn(args.batch, args.n, args.d_model, generator=g, dtype=torch.float64)
@@ -130,7 +134,8 @@ def run_trained(args, variants, archs, bar) -> dict:
                 torch.manual_seed(seed)
                 cfg = rr.FiberBundleConfig.attention_stack(
                     d_model=args.train_d_model, n_heads=args.heads, n_layers=args.train_depth, skip=skip,
-                    mlp=mlp, layer_norm=ln, vocab_size=args.train_vocab, n_classes=args.train_n, **over)
+                    mlp=mlp, layer_norm=ln, vocab_size=args.train_vocab, n_classes=args.train_n,
+                    metric_form=args.metric_form, **over)
                 model = rr.FiberBundleTransformer(cfg)
                 task = dict(seq_len=args.train_n, vocab_size=args.train_vocab)
                 train = rr.counting(args.train_examples, generator=torch.Generator().manual_seed(30_000 + seed),
@@ -183,6 +188,9 @@ def main(argv=None) -> None:
     p.add_argument("--train-vocab", type=int, default=8)
     p.add_argument("--train-examples", type=int, default=8192, help="counting sequences to train on")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--metric-form", choices=("factor", "gains"), default="factor",
+                   help="metric parameterisation: factor (G = lam I + U U^T), the form the stored results were "
+                        "made with, or gains (bounded gains), the package default")
     p.add_argument("--out", type=Path, default=Path("results/rank_collapse.json"))
     args = p.parse_args(argv)
 
@@ -211,6 +219,7 @@ def main(argv=None) -> None:
         "cpu_s": round(cpu, 1),
         "seeds": args.seeds, "depth": args.depth, "n": args.n, "d_model": args.d_model, "heads": args.heads,
         "batch": args.batch, "dtype": "float64", "input": "iid N(0, 1) token states", "gains": args.gains,
+        "metric_form": args.metric_form,
         "euclid_gains": args.euclid_gains,
         "train": {"seeds": args.train_seeds, "depth": args.train_depth, "steps": args.train_steps,
                   "d_model": args.train_d_model, "n": args.train_n, "vocab": args.train_vocab, "lr": args.lr,

@@ -37,7 +37,9 @@ Three parts, all on pure self-attention stacks at random initialisation
     OMP_NUM_THREADS=1 python experiments/rank_collapse_controlled.py \
         --out results/rank_collapse_controlled.json
 
-Runs on one thread; the committed file records its wall time, CPU time,
+Metrics are built in the form `--metric-form` (default `factor`, G = lam I + U U^T,
+the form of the stored results; `gains` is the package default), recorded in
+the file's meta. Runs on one thread; the committed file records its wall time, CPU time,
 seeds and the load average of the machine.
 """
 from __future__ import annotations
@@ -84,12 +86,18 @@ SHARED_PARAMS = ("attn.w_q", "attn.w_k", "attn.v_proj.weight", "attn.v_proj.bias
 
 
 def build(name: str, seed: int, gain: float, args, depth: int | None = None) -> rr.FiberBundleTransformer:
-    """Variant `name` with seed `seed`'s shared weights (those of the dot-product stack), frames times `gain`."""
+    """Variant `name` with seed `seed`'s shared weights (those of the dot-product stack), frames times `gain`.
+
+    Metrics in the form `args.metric_form`; a namespace without it (one made from a result file written
+    before the option existed) gets "factor", the form those files were made with.
+    """
     kw = dict(d_model=args.d_model, n_heads=args.heads, n_layers=depth or args.depth, block_size=max(args.n, 64))
+    form = getattr(args, "metric_form", "factor")
     torch.manual_seed(seed)
     ref = rr.FiberBundleTransformer(rr.FiberBundleConfig.attention_stack(**kw, **VARIANTS["euclidean"]))
     torch.manual_seed(seed)
-    model = rr.FiberBundleTransformer(rr.FiberBundleConfig.attention_stack(**kw, **VARIANTS[name]))
+    model = rr.FiberBundleTransformer(rr.FiberBundleConfig.attention_stack(**kw, metric_form=form,
+                                                                           **VARIANTS[name]))
     with torch.no_grad():
         for blk, rblk in zip(model.blocks, ref.blocks):
             own, theirs = blk.state_dict(), rblk.state_dict()
@@ -211,6 +219,9 @@ def main(argv=None) -> None:
     p.add_argument("--probe-test", type=int, default=64, help="probe: test sequences")
     p.add_argument("--probe-depths", type=int, nargs="+", default=[0, 1, 2, 3, 4, 6, 8, 12, 16],
                    help="probe: depths (the probed stacks are as deep as the largest)")
+    p.add_argument("--metric-form", choices=("factor", "gains"), default="factor",
+                   help="metric parameterisation: factor (G = lam I + U U^T), the form the stored results were "
+                        "made with, or gains (bounded gains), the package default")
     p.add_argument("--out", type=Path, default=Path("results/rank_collapse_controlled.json"))
     args = p.parse_args(argv)
     if args.n % args.vocab:
@@ -260,6 +271,7 @@ def main(argv=None) -> None:
         "eval_seeds": list(evals), "tune_seeds": list(tune), "probe_seeds": list(range(args.probe_seeds)),
         "depth": args.depth, "n": args.n, "d_model": args.d_model, "heads": args.heads, "batch": args.batch,
         "ref_gain": args.ref_gain, "target_entropy": round(target, 5), "dtype": "float64",
+        "metric_form": args.metric_form,
         "input": "iid N(0, 1) token states (sweep); balanced symbol sequences through a N(0, 1) table (probe)",
         "residual": "relative residual, composite norm, mean form; batch mean of log10",
         "pairing": "seed s: same input batch and the same w_q, w_k, v_proj, out_proj for every variant",

@@ -17,6 +17,9 @@ explicitly override it. Checkpoints go to ``checkpoints/`` (git-ignored);
 ``--resume`` continues an interrupted run exactly, and refuses a checkpoint
 written by a run with another configuration.
 
+Metric models are built with ``--metric-form`` (default ``factor``, G = lam I + U U^T,
+the form of the stored results; ``gains``, bounded gains, is the package default).
+
 Default file names carry a short hash of everything that defines the run
 (task, model, the training fields of :meth:`riemannian_ref.TrainConfig.run_fields`
 and the initialisation seed), ``train_<task>_<mode>_s<seed>_<hash>``, so runs
@@ -42,6 +45,10 @@ import riemannian_ref as rr
 from riemannian_ref._io import atomic_write_text
 
 MODES = rr.models.MODES
+#: ``--metric-form``: the metric parameterisations, the stored results' first.
+METRIC_FORMS = ("factor", "gains")
+METRIC_FORM_HELP = ("metric parameterisation: factor (G = lam I + U U^T), the form the stored results were made "
+                    "with, or gains (bounded gains), the package default")
 
 
 @dataclass
@@ -67,6 +74,9 @@ class ModelConfig:
     n_layers: int = 2
     n_heads: int = 4
     metric_rank: int = 2  # r (riemannian and fiber_bundle)
+    # the metric parameterisation (FiberBundleConfig.metric_form): "factor", G = lam I + U U^T, the form
+    # the stored results were made with; "gains" (bounded gains) is the package default
+    metric_form: str = "factor"
     extra: dict = field(default_factory=dict)  # any further FiberBundleConfig fields, passed through
 
 
@@ -98,11 +108,15 @@ def model_config(mc: ModelConfig, vocab_size: int, block_size: int,
     """The :class:`riemannian_ref.FiberBundleConfig` of the given mode and sizes (``extra`` passed through).
 
     ``n_classes`` (a classification task such as ``lookup``) gives an untied head of that many outputs.
+    The metric parameterisation is ``mc.metric_form`` (``"factor"`` unless set), not the package default.
     """
+    if "metric_form" in mc.extra:
+        raise ValueError("ModelConfig.extra must not set metric_form: give it as ModelConfig.metric_form "
+                         "(--metric-form, or \"metric_form\" in the config file's \"model\")")
     head = {} if n_classes is None else {"n_classes": n_classes, "tie_weights": False}
     return rr.FiberBundleConfig(vocab_size=vocab_size, block_size=block_size, d_model=mc.d_model,
                                 n_layers=mc.n_layers, n_heads=mc.n_heads, metric_rank=mc.metric_rank,
-                                mode=mc.mode, **head, **mc.extra)
+                                metric_form=mc.metric_form, mode=mc.mode, **head, **mc.extra)
 
 
 def build_model(mc: ModelConfig, vocab_size: int, block_size: int,
@@ -130,8 +144,15 @@ def _merge(dc, updates: dict):
 
 
 def run_id(cfg: RunConfig) -> str:
-    """Ten hex digits of a hash of what defines the run: task, model, training run fields, init seed."""
-    blob = {"task": asdict(cfg.task), "model": asdict(cfg.model), "train": cfg.train.run_fields(),
+    """Ten hex digits of a hash of what defines the run: task, model, training run fields, init seed.
+
+    A factor-form model (``metric_form="factor"``) hashes without the field, as every run did before it
+    existed: their default result files and checkpoints keep their names (and ``--resume`` finds them).
+    """
+    model = asdict(cfg.model)
+    if model["metric_form"] == "factor":
+        del model["metric_form"]
+    blob = {"task": asdict(cfg.task), "model": model, "train": cfg.train.run_fields(),
             "model_seed": cfg.model_seed}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
@@ -151,6 +172,7 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap.add_argument("--n-layers", type=int)
     ap.add_argument("--n-heads", type=int)
     ap.add_argument("--metric-rank", type=int)
+    ap.add_argument("--metric-form", choices=METRIC_FORMS, help=METRIC_FORM_HELP + " (default factor)")
     ap.add_argument("--vocab-size", type=int, help="recall vocabulary")
     ap.add_argument("--n-pairs", type=int, help="recall/lookup key-value pairs")
     ap.add_argument("--n-keys", type=int, help="lookup key symbols")
@@ -187,7 +209,7 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     task = {"name": a.task, "vocab_size": a.vocab_size, "n_pairs": a.n_pairs, "seq_len": a.seq_len, "p": a.p,
             "op": a.op, "n_keys": a.n_keys, "n_values": a.n_values, "corpus": a.corpus}
     model = {"mode": a.mode, "d_model": a.d_model, "n_layers": a.n_layers, "n_heads": a.n_heads,
-             "metric_rank": a.metric_rank}
+             "metric_rank": a.metric_rank, "metric_form": a.metric_form}
     train = {"optimizer": a.optimizer, "lr": a.lr, "weight_decay": a.weight_decay, "schedule": a.schedule,
              "warmup_steps": a.warmup_steps, "steps": a.steps, "batch_size": a.batch_size,
              "eval_interval": a.eval_interval, "seed": a.seed, "device": a.device,

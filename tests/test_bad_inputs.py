@@ -314,7 +314,7 @@ def test_default_paths_of_the_train_script_do_not_collide():
     base = ["--task", "recall", "--mode", "riemannian", "--seed", "0", "--steps", "10"]
     paths = {}
     for extra in ([], ["--d-model", "128"], ["--n-layers", "3"], ["--lr", "0.01"], ["--metric-rank", "4"],
-                  ["--batch-size", "64"], ["--model-seed", "5"]):
+                  ["--batch-size", "64"], ["--model-seed", "5"], ["--metric-form", "gains"]):
         cfg, _ = script.parse_args(base + extra)
         paths[tuple(extra)] = script.default_paths(cfg)
     assert len({p for pair in paths.values() for p in pair}) == 2 * len(paths)

@@ -105,7 +105,9 @@ def test_bench_model_targets_tiny(tmp_path):
         assert row["n"] == 32 and row["step_s"] > 0 and row["time_vs_euclidean"] > 0
     eu = next(row for row in res["rows"] if row["mode"] == "euclidean")
     assert eu["time_vs_euclidean"] == 1.0
-    assert "| 32 | fiber_bundle |" in (tmp_path / "bench_model_targets.md").read_text()
+    assert res["machine"]["metric_form"] == "factor"  # the stored results' form, not the package default
+    md = (tmp_path / "bench_model_targets.md").read_text()
+    assert "| 32 | fiber_bundle |" in md and 'metric_form="factor"' in md
 
 
 def test_bench_content_quick(tmp_path):
@@ -115,3 +117,4 @@ def test_bench_content_quick(tmp_path):
     whats = {row["what"] for row in res["rows"]}
     assert {"kernel", "layer", "sdpa", "dense path", "flat connection"} <= whats
     assert all(row["ms"] > 0 and row["vs_sdpa"] > 0 for row in res["rows"])
+    assert res["machine"]["metric_form"] == "factor"  # the stored results' form, not the package default
