@@ -3,9 +3,13 @@
 The model is nanoGPT's (one config, one attention class, one block, one GPT); the
 change for Riemannian attention is three lines in ``CausalSelfAttention``, marked
 (1), (2), (3): a metric network (``rr.MetricNet``) computes each token's metric
-G = lam I + U U^T from its state, and ``rr.riemannian_attention``, which takes
-``scaled_dot_product_attention``'s arguments, uses it. ``--attention sdpa`` runs
-the unchanged model, the baseline. Only the public API of ``riemannian_ref`` is
+G = lam I + U U^T from its state (by default with every eigenvalue in
+[lam, 5 lam], so that the metric cannot sharpen attention without bound), and
+``rr.riemannian_attention``, which takes ``scaled_dot_product_attention``'s
+arguments, uses it. ``--attention sdpa`` runs the unchanged model, the
+baseline. Every evaluation logs each layer's mean attention entropy and the
+metric's largest eigenvalue, and warns when a layer's entropy falls below
+``--entropy-floor`` (attention collapsing onto single keys). Only the public API of ``riemannian_ref`` is
 used; the text is the docstrings of Python's standard library (no download), or
 any text file (``--text``).
 
