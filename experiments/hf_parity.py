@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -41,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from metric_parameterisation import batch, load_text  # noqa: E402  (the same text and windows)
+from metric_parameterisation import add_setting_args, batch, load_text, lr_at  # noqa: E402  (same text, recipe)
 
 from riemannian_ref._io import atomic_write_text, check_writable  # noqa: E402
 from riemannian_ref.integrations import transformers as rr_hf  # noqa: E402
@@ -84,7 +83,6 @@ def run_one(arm: str, seed: int, data, vocab: int, a: argparse.Namespace) -> dic
     vgen = torch.Generator().manual_seed(a.val_seed)
     vbatches = [batch(data["val"], a.block_size, a.batch_size, vgen) for _ in range(a.eval_batches)]
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=0.1)
-    warmup = max(1, a.steps // 20)
     curve, t0, c0 = [], time.perf_counter(), time.process_time()
     for step in range(a.steps + 1):
         if step % a.log_every == 0 or step == a.steps:
@@ -94,9 +92,8 @@ def run_one(arm: str, seed: int, data, vocab: int, a: argparse.Namespace) -> dic
                       f"{curve[-1]['time_s']:.0f} s", flush=True)
         if step == a.steps:
             break
-        lr = a.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / a.steps))
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr_at(step, a)
         x, y = batch(data["train"], a.block_size, a.batch_size, gen)
         logits = model(input_ids=x).logits
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -136,18 +133,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", nargs="+", default=["sdpa", "riemannian"], choices=list(ARMS))
     p.add_argument("--seeds", nargs="+", type=int, default=[10, 11, 12])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--n-layer", type=int, default=2)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--rank", type=int, default=2)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--final-batches", type=int, default=40)
-    p.add_argument("--val-seed", type=int, default=1234)
+    add_setting_args(p, log_every=50)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--smoke-chars", type=int, default=None, help="cut each split to this many characters (tests)")
     p.add_argument("--out", required=True)

@@ -409,7 +409,6 @@ def run_one(arm: str, seed: int, data, vocab: int, a: argparse.Namespace) -> dic
     vbatches = [batch(data["val"], a.block_size, a.batch_size, vgen) for _ in range(a.eval_batches)]
     probe_x = batch(data["val"], a.block_size, a.probe_batch, vgen)[0]
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.99), weight_decay=0.1)
-    warmup = max(1, a.steps // 20)  # the example's schedule
     curve, t0, c0, train_loss = [], time.perf_counter(), time.process_time(), float("nan")
     for step in range(a.steps + 1):
         if step % a.log_every == 0 or step == a.steps:
@@ -422,9 +421,8 @@ def run_one(arm: str, seed: int, data, vocab: int, a: argparse.Namespace) -> dic
                       f"entropy {ents}  {curve[-1]['time_s']:.0f} s", flush=True)
         if step == a.steps:
             break
-        lr = a.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / a.steps))
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr_at(step, a)
         _, loss = model(*batch(data["train"], a.block_size, a.batch_size, gen))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -514,10 +512,8 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+def add_setting_args(p: argparse.ArgumentParser, log_every: int) -> None:
+    """The issue's setting (model, recipe, evaluation), shared with ``experiments/hf_parity.py``."""
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--n-layer", type=int, default=2)
     p.add_argument("--n-head", type=int, default=4)
@@ -526,11 +522,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--rank", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--log-every", type=int, default=log_every)
     p.add_argument("--eval-batches", type=int, default=8, help="validation batches at every log")
     p.add_argument("--final-batches", type=int, default=40, help="validation batches for the final loss")
-    p.add_argument("--probe-batch", type=int, default=8, help="sequences of the fixed batch for entropies")
     p.add_argument("--val-seed", type=int, default=1234)
+
+
+def lr_at(step: int, a: argparse.Namespace) -> float:
+    """The example's schedule: linear warm-up over 5% of the steps, then cosine decay to 0."""
+    warmup = max(1, a.steps // 20)
+    return a.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / a.steps))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    add_setting_args(p, log_every=25)
+    p.add_argument("--probe-batch", type=int, default=8, help="sequences of the fixed batch for entropies")
     p.add_argument("--gmax", type=float, default=4.0, help="(B) largest gain")
     p.add_argument("--gain-bias", type=float, default=-4.0, help="(B, C) initial gain / anisotropy logit")
     p.add_argument("--rho-max", type=float, default=0.9, help="(C) largest anisotropy rho")
