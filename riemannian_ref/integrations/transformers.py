@@ -44,10 +44,17 @@ with scale :math:`\lambda/\tau` and the key-norm bias
 switching a trained model changes its function by that bias). But
 :math:`U = 0` is a stationary point: the score depends on :math:`W^h` only
 through :math:`U U^\top`, so its gradient :math:`\propto U` vanishes there and a
-zero-initialised metric never trains. :func:`attach` therefore starts the
-factors small, not zero: ``strength=0.01`` by default, a relative change of
-about ``strength**2 = 1e-4`` in the scores, which Adam's normalised steps
-leave within a few steps.
+zero-initialised metric never trains (in both forms). :func:`attach` therefore
+starts the factors away from zero. In the factor form ``strength=0.01`` (the
+default) is a relative change of about ``strength**2 = 1e-4`` in the scores,
+which Adam's normalised steps leave within a few steps. In the bounded form
+(the default) the directions are normalised, so ``strength`` only sets how
+much the gains differ between keys; the gains start near
+:math:`g_{\max}\,\mathrm{sigmoid}(b)` (0.48 for ``gain_bias=-2``) along
+:math:`r` of the :math:`d` directions, an average relative change of about
+:math:`0.48\,r/d` in the scores (6% at :math:`d = 16`, :math:`r = 2`). To
+switch a trained model with a smaller first step, start the gains lower,
+e.g. ``gain_bias=-8`` (gains about 0.001).
 
 Saving. The metric networks are submodules of the attention layers, so
 ``save_pretrained`` writes them with the model and :func:`attach` records its
@@ -459,9 +466,10 @@ def attach(model: nn.Module, rank: int = 2, *, side: str = "key", lam_init: floa
     strength : float
         Size of the factors at init (:class:`~riemannian_ref.geometry.metric.MetricNet`):
         0 starts exactly at :math:`G = \lambda I` but leaves the factors
-        without gradient (see the module's notes); the default 0.01 starts
-        within about ``1e-4`` of it (with ``form="factor"``; with
-        ``"gains"`` it sets how much the gains differ between tokens at init).
+        without gradient (see the module's notes); with ``form="factor"``
+        the default 0.01 starts within about ``1e-4`` of it; with
+        ``"gains"`` it sets how much the gains differ between keys at init
+        (``gain_bias`` sets where they start).
     form : {"gains", "factor"}
         The metric parameterisation (:class:`~riemannian_ref.geometry.metric.MetricNet`):
         orthonormal directions with bounded gains (default; the eigenvalues
