@@ -650,7 +650,7 @@ class MetricNet(nn.Module):
             return lam, x.new_zeros(B, h, n, d, 0)
         else:
             U = self.proj(x).view(B, n, h, d, r).permute(0, 2, 1, 3, 4)  # (B, h, n, d, r)
-        if self.form == "gains":
+        if self.form == "gains" and r > 0:
             U = self._scale(_orthonormal_columns(U), lam, x)
         return lam, U
 
