@@ -430,7 +430,7 @@ class MetricNet(nn.Module):
     :math:`\mathbb{E}\,\|U_i^\top v\|^2 = \mathrm{strength}^2 \|v\|^2`
     whatever the rank: at init the metric is :math:`\lambda I` plus a
     perturbation of comparable size, and ``strength`` sweeps its heterogeneity.
-        A shared factor gets entries of the same variance. (These are the raw
+    A shared factor gets entries of the same variance. (These are the raw
     factors :math:`V_i`; with ``form="gains"`` they set only the directions,
     and the gain map :math:`W_a` starts with standard deviation
     ``strength / sqrt(D)``, so ``strength`` sweeps how much the gains vary
