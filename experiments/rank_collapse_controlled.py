@@ -89,9 +89,11 @@ def build(name: str, seed: int, gain: float, args, depth: int | None = None) -> 
     """Variant `name` with seed `seed`'s shared weights (those of the dot-product stack), frames times `gain`.
 
     Metrics in the form `args.metric_form`; a namespace without it (one made from a result file written
-    before the option existed) gets "factor", the form those files were made with.
+    before the option existed) gets "factor", the form those files were made with. A causal mask where
+    `args.causal` is true (experiments/rank_collapse_causal.py); without it, bidirectional.
     """
-    kw = dict(d_model=args.d_model, n_heads=args.heads, n_layers=depth or args.depth, block_size=max(args.n, 64))
+    kw = dict(d_model=args.d_model, n_heads=args.heads, n_layers=depth or args.depth, block_size=max(args.n, 64),
+              causal=getattr(args, "causal", False))
     form = getattr(args, "metric_form", "factor")
     torch.manual_seed(seed)
     ref = rr.FiberBundleTransformer(rr.FiberBundleConfig.attention_stack(**kw, **VARIANTS["euclidean"]))
