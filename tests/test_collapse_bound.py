@@ -2,7 +2,7 @@
 
 Covers the metric options that the escape routes need (an affine metric
 network, a metric field over positions) and the functions of
-``riemannian_ref.analysis.collapse`` that certify the theorem: the token
+``riemannian_ref.analysis`` (measures, bound, probes) that certify the theorem: the token
 radius, the bound's constant, the one-layer map, continuous collapse depths,
 attention entropy and the linear probe.
 """

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_choice, check_int, check_number, check_tensor, shape_str
-from .collapse import energy_effective_rank
+from .measures import energy_effective_rank
 
 __all__ = [
     "teacher_kernel",
