@@ -229,3 +229,14 @@ def test_the_bounded_gains_form_is_refused_not_bounded_wrongly():
     attn = _layer(**dict(METRIC, metric_form="gains"))
     with pytest.raises(ValueError, match="metric_form='gains'"):
         collapse_bound(attn, torch.zeros(16, dtype=DT), 0.1)
+
+
+@pytest.mark.parametrize("kw", [dict(mode="euclidean"), METRIC])
+def test_a_causal_layer_is_refused_its_map_is_linear(kw):
+    """The bound assumes no mask: with the causal mask the one-layer map is linear (chapter 9, prop-causal)."""
+    attn = _layer(**dict(kw, causal=True))
+    with pytest.raises(ValueError, match="causal=True"):
+        collapse_bound(attn, torch.zeros(16, dtype=DT), 0.1)
+    xbar, R = torch.randn(16, dtype=DT), torch.randn(8, 16, dtype=DT)
+    rho_in, rho_out = collapse_map(attn, xbar, R, torch.tensor([1e-4, 1e-5], dtype=DT))
+    assert 0.9 < math.log10(rho_out[0] / rho_out[1]) < 1.1  # ten times smaller input, ten times smaller output

@@ -82,8 +82,8 @@ def collapse_bound(attn, center: Tensor, radius: float, *, n: int | None = None)
     Parameters
     ----------
     attn : RiemannianAttention
-        A self-attention module with the trivial connection (no mask is
-        assumed), dot-product or with metrics of ``metric_form="factor"``
+        A self-attention module with the trivial connection and no mask
+        (a layer with ``causal=True`` is refused: its map is linear), dot-product or with metrics of ``metric_form="factor"``
         (or rank 0); the bounded ``"gains"`` form (the default) is refused:
         its constant is not implemented.
     center : Tensor, shape [D]
@@ -104,6 +104,10 @@ def collapse_bound(attn, center: Tensor, radius: float, *, n: int | None = None)
     """
     Q, K, M, sigma = _attention_parts(attn)
     cfg = attn.config
+    if getattr(cfg, "causal", False):
+        raise ValueError("collapse_bound assumes no mask, but this layer has causal=True: with a causal "
+                         "mask the one-layer map is linear, not cubic (chapter 9, prop-causal); measure it "
+                         "with collapse_map, or build the layer with causal=False")
     center = check_tensor(center, "center", min_dim=1)
     if center.shape != (cfg.d_model,):
         raise ValueError(f"center must have shape [{cfg.d_model}], got {shape_str(center)}")
