@@ -25,6 +25,6 @@ from .measures import *  # noqa: F401,F403
 from .measures import __all__ as _measures
 from .probes import *  # noqa: F401,F403
 from .probes import __all__ as _probes
-from . import collapse  # noqa: F401,E402  (the combined module, kept for existing imports)
+from . import collapse  # noqa: F401  (the combined module, kept for existing imports)
 
 __all__ = [*_measures, *_bound, *_probes, *_bundle, *_intrinsic]
