@@ -54,11 +54,11 @@ asks for (width 64 with four layers and four heads, context 128, five
 evaluation seeds, rates tuned on text evaluation never sees) has not been
 run; it is this command. The matched arms have 188,568 (riemannian, width
 56) to 212,768 parameters; ``--d-model 72`` puts every arm above 0.2M. Single
-threaded on a shared 2-core machine a training step took about 0.2-0.4 s
-(euclidean, rope) and 0.6-1.1 s (riemannian, fiber_bundle), so the run's 36
-runs of 4,000 steps come to about 18-30 core-hours (9-15 hours with two
-workers). Check afterwards that every arm passes the plateau criterion, and
-lengthen ``--steps`` if not:
+threaded on a shared, loaded 2-core machine a training step took about
+0.2-0.5 s (euclidean, rope) and 0.6-1.1 s (riemannian, fiber_bundle), CPU
+time to wall time, so the run's 36 runs of 4,000 steps come to about 18-32
+core-hours (9-16 hours with two workers). Check afterwards that every arm
+passes the plateau criterion, and lengthen ``--steps`` if not:
 
     nice -n 15 env OMP_NUM_THREADS=1 python experiments/compare.py --task charlm \\
         --arms euclidean,rope,riemannian,fiber_bundle --d-model 64 --n-layers 4 \\
