@@ -88,8 +88,19 @@ class RunConfig:
     model_seed: int = 0  # initialisation seed (the data seed is train.seed)
 
 
-def task_data(tc: TaskConfig, seed: int) -> tuple[rr.TaskData, rr.TaskData]:
-    """Train and validation data of the task (identical on every rank)."""
+def task_data(tc: TaskConfig, seed: int, *, tune_fraction: float = 0.0,
+              split: str = "val") -> tuple[rr.TaskData, rr.TaskData]:
+    """Train and held-out data of the task (identical on every rank).
+
+    ``charlm`` only: ``tune_fraction`` holds that fraction of the characters
+    out for tuning (whole topics, disjoint from training and validation) and
+    ``split`` ("val" or "tune") picks the held-out part returned; see
+    :func:`riemannian_ref.data.char_lm`. Keywords rather than ``TaskConfig``
+    fields, so that the run ids of earlier runs do not change.
+    """
+    if tc.name != "charlm" and (tune_fraction != 0 or split != "val"):
+        raise ValueError(f"tune_fraction and split apply to the charlm task only, got task {tc.name!r} with "
+                         f"tune_fraction={tune_fraction!r}, split={split!r}")
     if tc.name == "recall":
         return rr.data.make_task("recall", seed=seed, n_train=tc.n_train, n_val=tc.n_val,
                                  vocab_size=tc.vocab_size, n_pairs=tc.n_pairs, seq_len=tc.seq_len)
@@ -99,7 +110,8 @@ def task_data(tc: TaskConfig, seed: int) -> tuple[rr.TaskData, rr.TaskData]:
     if tc.name == "modular":
         return rr.data.make_task("modular", seed=seed, p=tc.p, op=tc.op, train_fraction=tc.train_fraction)
     if tc.name == "charlm":
-        return rr.data.make_task("charlm", block_size=tc.seq_len, corpus=tc.corpus)
+        return rr.data.make_task("charlm", block_size=tc.seq_len, corpus=tc.corpus,
+                                 tune_fraction=tune_fraction, split=split)
     raise ValueError(f"task must be one of 'recall', 'lookup', 'modular', 'charlm', got {tc.name!r}")
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "python_reference_topics",
     "STDLIB_TEXT_MODULES",
     "CORPORA",
+    "CHAR_LM_SPLITS",
     "make_task",
 ]
 
@@ -436,8 +437,13 @@ def python_reference_topics() -> dict[str, str]:
     return {name: topics[name].encode("ascii", "ignore").decode("ascii") for name in sorted(topics)}
 
 
+#: The accepted values of ``char_lm(split=...)``: which held-out text comes back second.
+CHAR_LM_SPLITS = ("val", "tune")
+
+
 def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | None = None,
-            text: str | None = None, corpus: str = "reference") -> tuple[TaskData, TaskData, dict]:
+            text: str | None = None, corpus: str = "reference", tune_fraction: float = 0.0,
+            split: str = "val") -> tuple[TaskData, TaskData, dict]:
     r"""Character-level language modelling on real text that ships with Python.
 
     ``corpus="reference"`` (default): the Python language reference,
@@ -449,6 +455,18 @@ def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | No
     ``corpus="docstrings"`` or a given ``text``: the last
     ``int(len(text) * val_fraction)`` characters are held out
     (:func:`stdlib_docstring_text` is the docstrings corpus).
+
+    **Tuning split.** With ``tune_fraction > 0`` a third part is held out
+    for choosing hyperparameters, so that evaluation never sees the text a
+    rate was selected on: for the reference, the topics that follow the
+    validation topics in the same hash order, until it holds at least
+    ``tune_fraction`` of the characters; for a tail split, the
+    ``int(len(text) * tune_fraction)`` characters before the validation
+    tail. Training loses that text whichever ``split`` is asked for, so
+    tuning and evaluation runs train on the same characters, and the
+    validation topics do not depend on ``tune_fraction`` (with the default
+    0 the splits are those of earlier releases). ``split`` picks the
+    held-out part returned second: ``"val"`` (evaluation) or ``"tune"``.
 
     The text is encoded with its sorted character set (the alphabet of both
     splits together). Each split is cut into windows of ``block_size + 1``
@@ -473,23 +491,45 @@ def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | No
         A corpus of your own (split by its tail); None: ``corpus``.
     corpus : {"reference", "docstrings"}, default "reference"
         Which text that ships with Python (ignored when ``text`` is given).
+    tune_fraction : float, default 0.0
+        Fraction of the characters held out for tuning, in ``[0, 1)``, with
+        ``val_fraction + tune_fraction < 1``; 0: no tuning split.
+    split : {"val", "tune"}, default "val"
+        The held-out part returned second; ``"tune"`` needs
+        ``tune_fraction > 0``.
 
     Returns
     -------
-    train, val : TaskData
+    train, held_out : TaskData
         ``x``, ``y``, ``mask`` of shape ``[N_split, block_size]``;
-        ``vocab_size`` is the alphabet size.
+        ``vocab_size`` is the alphabet size (of the whole text, every
+        split together); ``held_out`` is the part ``split`` names.
     info : dict
         ``chars`` (the alphabet, a str in id order), ``n_chars`` (text
-        length, both splits), ``n_val_chars``, ``source`` (where the text came
-        from) and, for the reference, ``val_topics`` (names of the held-out
-        topics).
+        length, every split), ``n_val_chars``, ``n_tune_chars``, ``split``,
+        ``source`` (where the text came from) and, for the reference,
+        ``val_topics`` and ``tune_topics`` (names of the held-out topics).
+
+    Raises
+    ------
+    ValueError
+        If ``split`` is not ``"val"`` or ``"tune"``, ``split="tune"`` comes
+        without ``tune_fraction > 0``, a fraction is out of range, or a split
+        is shorter than ``block_size + 1`` characters.
     """
     _positive_int(block_size, "block_size", 1)
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction!r}")
     if corpus not in CORPORA:
         raise ValueError(f"corpus must be one of {CORPORA}, got {corpus!r}")
+    if (isinstance(tune_fraction, bool) or not isinstance(tune_fraction, (int, float))
+            or not 0.0 <= tune_fraction < 1.0 or val_fraction + tune_fraction >= 1.0):
+        raise ValueError(f"tune_fraction must lie in [0, 1) with val_fraction + tune_fraction < 1, got "
+                         f"{tune_fraction!r} (val_fraction {val_fraction!r})")
+    if split not in CHAR_LM_SPLITS:
+        raise ValueError(f"split must be one of {CHAR_LM_SPLITS}, got {split!r}")
+    if split == "tune" and tune_fraction == 0:
+        raise ValueError("split='tune' needs tune_fraction > 0 (there is no tuning text without it)")
     stride = block_size if stride is None else _positive_int(stride, "stride")
     if text is not None and not isinstance(text, str):
         raise ValueError(f"text must be a str or None, got {type(text).__name__}")
@@ -497,15 +537,22 @@ def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | No
     if text is None and corpus == "reference":
         topics = python_reference_topics()
         total = sum(len(t) for t in topics.values())
-        val_topics, n_held = [], 0
+        val_topics, tune_topics, n_val, n_tune = [], [], 0, 0
         for name in sorted(topics, key=lambda t: hashlib.sha256(t.encode()).hexdigest()):
-            if n_held >= val_fraction * total:
+            if n_val < val_fraction * total:
+                val_topics.append(name)
+                n_val += len(topics[name])
+            elif n_tune < tune_fraction * total:
+                tune_topics.append(name)
+                n_tune += len(topics[name])
+            else:
                 break
-            val_topics.append(name)
-            n_held += len(topics[name])
-        parts = {"train": "\n\n".join(t for name, t in topics.items() if name not in val_topics),
-                 "val": "\n\n".join(t for name, t in topics.items() if name in val_topics)}
+        held = set(val_topics) | set(tune_topics)
+        parts = {"train": "\n\n".join(t for name, t in topics.items() if name not in held),
+                 "val": "\n\n".join(t for name, t in topics.items() if name in val_topics),
+                 "tune": "\n\n".join(t for name, t in topics.items() if name in tune_topics)}
         info["val_topics"] = sorted(val_topics)
+        info["tune_topics"] = sorted(tune_topics)
         info["source"] = (f"Python language reference (pydoc_data.topics, {len(topics)} topics), "
                           f"Python {sys.version.split()[0]}")
     else:
@@ -513,21 +560,25 @@ def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | No
         if text is None:
             text = stdlib_docstring_text()
             source = f"docstrings of {len(STDLIB_TEXT_MODULES)} stdlib modules, Python {sys.version.split()[0]}"
-        n_val = int(len(text) * val_fraction)
-        parts = {"train": text[: len(text) - n_val], "val": text[len(text) - n_val:]}
+        n_val, n_tune = int(len(text) * val_fraction), int(len(text) * tune_fraction)
+        cut = len(text) - n_val
+        parts = {"train": text[: cut - n_tune], "val": text[cut:], "tune": text[cut - n_tune: cut]}
         info["source"] = source
-    chars = sorted(set(parts["train"]) | set(parts["val"]))
+    if tune_fraction == 0:
+        del parts["tune"]
+    chars = sorted(set().union(*parts.values()))
     lookup = {c: i for i, c in enumerate(chars)}
-    out = []
-    for split, part in parts.items():
-        s = torch.tensor([lookup[c] for c in part], dtype=torch.long)
+    out = {}
+    for name in ("train", split):
+        s = torch.tensor([lookup[c] for c in parts[name]], dtype=torch.long)
         if len(s) < block_size + 1:
-            raise ValueError(f"the {split} split has {len(s)} characters, fewer than block_size + 1 = {block_size + 1}")
+            raise ValueError(f"the {name} split has {len(s)} characters, fewer than block_size + 1 = {block_size + 1}")
         w = s.unfold(0, block_size + 1, stride)  # (N, block_size + 1)
         x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
-        out.append(TaskData(x, y, torch.ones_like(x, dtype=torch.bool), len(chars), f"charlm({split})"))
-    info.update(chars="".join(chars), n_chars=len(parts["train"]) + len(parts["val"]), n_val_chars=len(parts["val"]))
-    return out[0], out[1], info
+        out[name] = TaskData(x, y, torch.ones_like(x, dtype=torch.bool), len(chars), f"charlm({name})")
+    info.update(chars="".join(chars), n_chars=sum(len(t) for t in parts.values()), n_val_chars=len(parts["val"]),
+                n_tune_chars=len(parts.get("tune", "")), split=split)
+    return out["train"], out[split], info
 
 
 def make_task(name: str, *, seed: int = 0, **kw) -> tuple[TaskData, TaskData]:

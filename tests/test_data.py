@@ -188,6 +188,63 @@ def test_char_lm_default_is_the_language_reference_split_by_topic():
         rr.char_lm(corpus="wikipedia")
 
 
+def test_char_lm_tuning_split_is_disjoint_deterministic_and_leaves_validation_alone():
+    topics = data.python_reference_topics()
+    tr0, va0, info0 = rr.char_lm(block_size=64)
+    tr, va, info = rr.char_lm(block_size=64, tune_fraction=0.1)
+    tr_t, tu, info_t = rr.char_lm(block_size=64, tune_fraction=0.1, split="tune")
+    val, tune = set(info["val_topics"]), set(info["tune_topics"])
+    train = set(topics) - val - tune
+    # three disjoint sets of whole topics; the validation topics do not depend on tune_fraction
+    assert val and tune and train and not (val & tune)
+    assert info["val_topics"] == info0["val_topics"] and torch.equal(va.x, va0.x)
+    assert info_t["tune_topics"] == info["tune_topics"] and info_t["split"] == "tune" and info["split"] == "val"
+    # the same training text whichever held-out part is asked for, smaller by the tuning topics
+    assert torch.equal(tr.x, tr_t.x) and len(tr) < len(tr0)
+    assert tr.vocab_size == tu.vocab_size == tr0.vocab_size and info["chars"] == info0["chars"]
+    tune_text = "\n\n".join(topics[n] for n in sorted(tune))
+    train_text = "\n\n".join(t for n, t in topics.items() if n in train)
+    assert info["n_tune_chars"] == len(tune_text) and info0["n_tune_chars"] == 0 and info0["tune_topics"] == []
+    assert info["n_chars"] == len(train_text) + len(tune_text) + info["n_val_chars"]
+    assert 0.1 <= len(tune_text) / info["n_chars"] < 0.1 + max(len(topics[n]) for n in tune) / info["n_chars"]
+    decode = lambda ids: "".join(info["chars"][i] for i in ids.tolist())  # noqa: E731
+    assert decode(tu.x[0]) == tune_text[:64] and decode(tr.x[0]) == train_text[:64]
+    # each split is exactly its own topics' text, window after window (topics share some boilerplate
+    # sentences, so disjointness is by topic, not by string)
+    val_text = "\n\n".join(topics[n] for n in sorted(val))
+    for d, txt in ((tr, train_text), (tu, tune_text), (va, val_text)):
+        assert decode(d.x.flatten()) == txt[:64 * len(d)] and len(d) == (len(txt) - 1) // 64
+    # deterministic: a second call gives the same three parts
+    tr2, tu2, info2 = rr.char_lm(block_size=64, tune_fraction=0.1, split="tune")
+    assert torch.equal(tr2.x, tr_t.x) and torch.equal(tu2.x, tu.x) and info2 == info_t
+    # and through make_task, whose seed it ignores
+    mtr, mtu = data.make_task("charlm", seed=7, block_size=64, tune_fraction=0.1, split="tune")
+    assert torch.equal(mtr.x, tr.x) and torch.equal(mtu.x, tu.x)
+
+
+def test_char_lm_tuning_split_of_a_given_text_sits_before_the_validation_tail():
+    text = "".join(chr(97 + i % 26) for i in range(400))
+    tr, tu, info = rr.char_lm(block_size=8, val_fraction=0.25, tune_fraction=0.25, text=text, split="tune")
+    _, va, _ = rr.char_lm(block_size=8, val_fraction=0.25, tune_fraction=0.25, text=text)
+    decode = lambda ids: "".join(info["chars"][i] for i in ids.tolist())  # noqa: E731
+    assert decode(tr.x[0]) == text[:8] and decode(tu.x[0]) == text[200:208] and decode(va.x[0]) == text[300:308]
+    assert info["n_tune_chars"] == info["n_val_chars"] == 100 and info["n_chars"] == 400
+    assert decode(tr.y[-1]) in text[:200]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(split="test"), "split must be one of"),
+    (dict(split="tune"), "split='tune' needs tune_fraction > 0"),
+    (dict(tune_fraction=-0.1), "tune_fraction"),
+    (dict(tune_fraction=0.95), "tune_fraction"),
+    (dict(tune_fraction=True), "tune_fraction"),
+    (dict(tune_fraction="0.1"), "tune_fraction"),
+])
+def test_char_lm_bad_split_arguments_raise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        rr.char_lm(block_size=8, text="abcdefghij" * 20, **kw)
+
+
 # ---- make_task ------------------------------------------------------------
 
 def test_make_task_draws_train_and_val_from_the_seed():

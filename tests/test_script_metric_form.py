@@ -78,6 +78,37 @@ def test_compare_script_builds_and_records_the_metric_form(tmp_path, monkeypatch
     assert {res["models"][a]["metric_form"] for a in ("riemannian", "fiber_bundle")} == {form}
 
 
+def test_compare_script_tuning_split_scores_tuning_seeds_on_the_tuning_topics(tmp_path, monkeypatch):
+    """--tuning-split: the tuning seeds see the tuning topics, the evaluation seeds the validation topics."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    script = experiment_script("compare.py")
+    seen, real = {}, rr.compare
+
+    def spy(arms, data, config, **kw):
+        for s in (*kw["tune_seeds"], *kw["eval_seeds"]):
+            seen[s] = data(s)
+        return real(arms, data, config, **kw)
+
+    monkeypatch.setattr(rr, "compare", spy)
+    out = tmp_path / "c.json"
+    script.main(["--task", "charlm", "--arms", "euclidean,rope", "--d-model", "8", "--n-layers", "1",
+                 "--block-size", "8", "--steps", "1", "--eval-interval", "1", "--batch-size", "2",
+                 "--eval-max", "4", "--warmup", "0", "--lrs", "1e-3", "--tune-seeds", "1000", "--seeds", "0,1",
+                 "--tuning-split", "0.1", "--device", "cpu", "--no-progress", "--out", str(out)])
+    _, tune, _ = rr.char_lm(block_size=8, tune_fraction=0.1, split="tune")
+    train, val, _ = rr.char_lm(block_size=8, tune_fraction=0.1)
+    assert torch.equal(seen[1000][1].x, tune.x) and torch.equal(seen[0][1].x, val.x)
+    assert all(torch.equal(seen[s][0].x, train.x) for s in seen)
+    assert json.loads(out.read_text())["tuning_split"] == 0.1
+    with pytest.raises(SystemExit, match="charlm only"):
+        script.main(["--task", "recall", "--tuning-split", "0.1", "--out", str(out)])
+    with pytest.raises(SystemExit, match="must lie in"):
+        script.main(["--task", "charlm", "--tuning-split", "1.5", "--out", str(out)])
+    train_script = experiment_script("train.py")
+    with pytest.raises(ValueError, match="charlm task only"):
+        train_script.task_data(train_script.TaskConfig(name="recall"), 0, split="tune")
+
+
 @pytest.mark.parametrize("flag, form", [([], "factor"), (["--metric-form", "gains"], "gains")])
 def test_rank_collapse_controlled_builds_and_records_the_metric_form(tmp_path, flag, form):
     script = experiment_script("rank_collapse_controlled.py")
