@@ -16,7 +16,8 @@ variants, seeds and entropy-matched gains, read from its result file):
    no norm; the embedding table fixed) with a linear read-out is trained with
    AdamW to predict every token's own symbol (cross-entropy over positions),
    `--steps` steps of batches of `--batch` fresh sequences. The learning rate
-   is chosen on the tuning seed 1000 from `--lrs` (final training loss); the
+   is chosen on the tuning seed 1000 from `--lrs` (final training loss; a rate
+   whose loss or weights go non-finite is recorded as diverged); the
    evaluation seeds report the test accuracy of the trained read-out and the
    relative residual at the last layer before and after training.
 
@@ -43,7 +44,7 @@ import riemannian_ref as rr  # noqa: E402
 from riemannian_ref._io import atomic_write_text  # noqa: E402
 from riemannian_ref.analysis import linear_probe_accuracy, mlp_probe_accuracy  # noqa: E402
 
-VARIANTS = ["euclidean", "hetero-key", "transport-flat", "rope-keys"]
+VARIANTS = ["euclidean", "transport-flat", "rope-keys"]
 
 
 def stack_args(meta: dict, depth: int) -> Namespace:
@@ -93,8 +94,16 @@ def train_part(name: str, seed: int, gain: float, sa: Namespace, a, lr: float) -
     losses = []
     for _ in range(a.steps):
         toks = rcc.balanced_sequences(a.batch, sa, g)
-        H = model(embeds=table[toks], return_hidden=True).hidden[-1]
-        loss = F.cross_entropy(head(H).reshape(-1, sa.vocab), toks.reshape(-1))
+        try:
+            H = model(embeds=table[toks], return_hidden=True).hidden[-1]
+        except ValueError:  # the metric's weights went non-finite: the package refuses them
+            H = None
+        loss = F.cross_entropy(head(H).reshape(-1, sa.vocab), toks.reshape(-1)) if H is not None else None
+        if loss is None or not torch.isfinite(loss):
+            # diverged at this rate: recorded as such, never selected
+            return {"lr": lr, "diverged_at": len(losses), "final_train_loss": None, "loss_curve": [],
+                    "test_acc_init": round(acc0, 4), "test_acc": None,
+                    "log10_res_init": round(res0, 3), "log10_res": None}
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([*model.parameters(), *head.parameters()], 1.0)
@@ -102,7 +111,7 @@ def train_part(name: str, seed: int, gain: float, sa: Namespace, a, lr: float) -
         losses.append(loss.item())
     acc, res = evaluate()
     tail = max(1, a.steps // 10)
-    return {"lr": lr, "final_train_loss": round(float(np.mean(losses[-tail:])), 4),
+    return {"lr": lr, "diverged_at": None, "final_train_loss": round(float(np.mean(losses[-tail:])), 4),
             "loss_curve": [round(float(np.mean(losses[i:i + tail])), 4) for i in range(0, a.steps, tail)],
             "test_acc_init": round(acc0, 4), "test_acc": round(acc, 4),
             "log10_res_init": round(res0, 3), "log10_res": round(res, 3)}
@@ -113,15 +122,15 @@ def main(argv=None) -> None:
     p.add_argument("--sweep", type=Path, default=Path("results/rank_collapse_controlled.json"),
                    help="the controlled sweep's result file (stack settings and entropy-matched gains)")
     p.add_argument("--variants", nargs="+", default=VARIANTS, choices=list(rcc.VARIANTS))
-    p.add_argument("--depth", type=int, default=16)
+    p.add_argument("--depth", type=int, default=8)
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--train", type=int, default=512, help="mlp: training sequences")
     p.add_argument("--test", type=int, default=128, help="test sequences (both parts)")
     p.add_argument("--hidden", type=int, default=64, help="mlp: hidden width of the probe")
     p.add_argument("--probe-steps", type=int, default=500, help="mlp: full-batch Adam steps of the probe")
-    p.add_argument("--steps", type=int, default=400, help="trained: training steps")
-    p.add_argument("--batch", type=int, default=32, help="trained: sequences per step")
-    p.add_argument("--lrs", default="3e-4,1e-3,3e-3", help="trained: learning rates tried on the tuning seed")
+    p.add_argument("--steps", type=int, default=200, help="trained: training steps")
+    p.add_argument("--batch", type=int, default=16, help="trained: sequences per step")
+    p.add_argument("--lrs", default="3e-4,1e-3,3e-3,1e-2", help="trained: learning rates tried on the tuning seed")
     p.add_argument("--parts", nargs="+", default=["mlp", "trained"], choices=["mlp", "trained"])
     p.add_argument("--out", type=Path, default=Path("results/escape_probes.json"))
     a = p.parse_args(argv)
@@ -142,7 +151,10 @@ def main(argv=None) -> None:
                                                   for k in ("linear", "mlp", "log10_res")), file=sys.stderr)
         if "trained" in a.parts:
             tune = {lr: train_part(name, 1000, gain, sa, a, lr) for lr in lrs}
-            best = min(lrs, key=lambda lr: tune[lr]["final_train_loss"])
+            finite = [lr for lr in lrs if tune[lr]["final_train_loss"] is not None]
+            if not finite:
+                raise SystemExit(f"{name}: every learning rate of --lrs diverged on the tuning seed")
+            best = min(finite, key=lambda lr: tune[lr]["final_train_loss"])
             out["tuned_lr"][name] = {"lr": best, "grid": {f"{lr:g}": tune[lr]["final_train_loss"] for lr in lrs}}
             out["at_edge"][name] = best in (min(lrs), max(lrs))
             out["trained"][name] = [train_part(name, s, gain, sa, a, best) for s in range(a.seeds)]
