@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The landing page's answer: its figure, its three sentences and its explorer.
+"""The landing page's answer: its figure, its four sentences and its explorer.
 
 Reads the committed controlled rank-collapse sweep
 (results/rank_collapse_controlled.json, written by
@@ -10,7 +10,7 @@ experiments/rank_collapse_causal.py), and writes, into docs/landing/,
 * ``rank_collapse.svg`` and ``rank_collapse.pdf``: the figure (the HTML book
   shows the SVG, the PDF book the PDF; chapters/00_preface.md names them as
   ``rank_collapse.*``);
-* ``answer.md``: the three sentences under the figure, with every number
+* ``answer.md``: the four sentences under the figure, with every number
   computed here from the same file (included by the landing page);
 * ``explorer.html``: the "look for yourself" block, the attention variants of
   the sweep at either temperature behind two sliders (chapters/_book.py), which
