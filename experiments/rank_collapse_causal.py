@@ -123,10 +123,9 @@ def main(argv=None) -> None:
             timing[f"certificate/{mask}/{name}"] = round(time.perf_counter() - t, 1)
             print(f"{mask:>6} certificate {name:>16}: exponent "
                   f"{np.mean([r['exponent'] for r in rows]):.3f}", file=sys.stderr)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    wall = time.perf_counter() - t0
     meta = {
-        "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "timing_s": timing,
-        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count(),
+        **rcc.run_record(t0, c0, timing),
         "eval_seeds": list(evals), "tune_seeds": list(tune), "masks": args.masks,
         "ref_gains": args.ref_gains, "target_entropy": targets, "certificate_gain": max(args.ref_gains),
         "depth": args.depth, "n": args.n, "d_model": args.d_model, "heads": args.heads, "batch": args.batch,

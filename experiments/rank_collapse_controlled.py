@@ -200,6 +200,13 @@ def probe(name: str, seed: int, gain: float, args) -> dict:
     return out
 
 
+def run_record(t0: float, c0: float, timing: dict) -> dict:
+    """Wall and CPU time since `t0` / `c0` (perf_counter, process_time), the per-part times and the load."""
+    return {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": round(time.process_time() - c0, 1),
+            "timing_s": timing, "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+            "cpu_count": os.cpu_count()}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=20, help="evaluation seeds 0..seeds-1 (sweep, certificates)")
@@ -266,10 +273,9 @@ def main(argv=None) -> None:
         last = str(max(args.probe_depths))
         print(f"{name:>18}: token probe at depth {last}: "
               f"{np.mean([r['token'][last] for r in probes[name]]):.3f}", file=sys.stderr)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    wall = time.perf_counter() - t0
     meta = {
-        "wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "timing_s": timing,
-        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count(),
+        **run_record(t0, c0, timing),
         "eval_seeds": list(evals), "tune_seeds": list(tune), "probe_seeds": list(range(args.probe_seeds)),
         "depth": args.depth, "n": args.n, "d_model": args.d_model, "heads": args.heads, "batch": args.batch,
         "ref_gain": args.ref_gain, "target_entropy": round(target, 5), "dtype": "float64",
