@@ -189,8 +189,10 @@ def trainability(args) -> dict:
         bar.set_description(msg)
         bar.update()
 
+    widest_dot = f"dot-d{max(args.head_dims)}"
     res = rr.compare(arms, data, config, lrs=lrs, tune_seeds=(1000,), eval_seeds=tuple(range(args.seeds)),
-                     reference=next(iter(a for a in arms if a == f"dot-d{max(args.head_dims)}"), next(iter(arms))), select="steps_to_target", target=0.95,
+                     reference=widest_dot if widest_dot in arms else next(iter(arms)), select="steps_to_target",
+                     target=0.95,
                      progress=progress)
     bar.close()
     return {"experiment": "compare_lookup_headdim", "task": task, "d_model": args.d_model, **res}
