@@ -227,3 +227,27 @@ def test_bench_model_configs_take_the_form(monkeypatch):
         assert bench_model.target_config("fiber_bundle", 32, form).metric_form == form
     assert bench_model.config("riemannian", 32).metric_form == "factor"
     assert bench_model.target_config("riemannian", 32).metric_form == "factor"
+
+
+@pytest.mark.parametrize("kinds, expected, reference", [
+    ([], ["dot-d2", "dot-d3", "distance-d2", "distance-d3", "metric-d1"], "dot-d3"),
+    (["--kinds", "dot"], ["dot-d2", "dot-d3"], "dot-d3"),
+    (["--kinds", "distance", "metric"], ["distance-d2", "distance-d3", "metric-d1"], "distance-d2"),
+])
+def test_intrinsic_rank_trainability_kinds(tmp_path, monkeypatch, kinds, expected, reference):
+    """--kinds selects the heads --part trainability trains; the reference is the widest dot head if present."""
+    script = experiment_script("intrinsic_rank.py")
+    seen = {}
+
+    def fake_compare(arms, data, config, **kw):
+        seen.update(arms=list(arms), reference=kw["reference"], lrs=kw["lrs"], steps=config.steps)
+        return {}
+
+    monkeypatch.setattr(rr, "compare", fake_compare)
+    monkeypatch.setattr("sys.argv", ["intrinsic_rank.py", "--part", "trainability", "--head-dims", "2", "3",
+                                     "--metric-head-dims", "1", "--lrs", "1e-4,1e-3", "--recall-steps", "7",
+                                     "--no-progress", "--out", str(tmp_path / "t.json"), *kinds])
+    script.main()
+    assert seen == {"arms": expected, "reference": reference, "lrs": [1e-4, 1e-3], "steps": 7}
+    assert json.loads((tmp_path / "t.json").read_text())["meta"]["args"]["kinds"] == (kinds[1:] or
+                                                                                      ["dot", "distance", "metric"])
