@@ -42,7 +42,7 @@ import json
 from urllib.parse import quote
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["explorer", "Explorer", "glue", "portable"]
+__all__ = ["explorer", "Explorer", "glue", "portable", "table"]
 
 # One delegated listener per page, installed by the first explorer's script;
 # each explorer finds its frames from its own DOM (no ids, no currentScript).
@@ -122,23 +122,27 @@ class Explorer:
         The default frame as PNG: what the PDF (and nbconvert) prints.
     """
 
-    def __init__(self, names, values, frames, default, default_png, alt, width_px):
+    def __init__(self, names, values, frames, default, default_png, alt, width_px,
+                 titles=None, shown=None):
         self.names, self.values, self.frames = names, values, frames
         self.default, self.default_png = default, default_png
         self.alt, self.width_px = alt, width_px
+        # What the reader sees: a title per slider, a label per value.
+        self.titles = titles or {n: n for n in names}
+        self.shown = shown or [[_label(v) for v in vals] for vals in values]
 
     def _alt(self, idx) -> str:
-        params = {n: v[i] for n, v, i in zip(self.names, self.values, idx)}
+        params = {n: s[i] for n, s, i in zip(self.names, self.shown, idx)}
         return self.alt.format(**params)
 
     def to_html(self) -> str:
         parts = ['<div class="rr-explorer">', _STYLE, '<div class="rr-explorer-controls">']
-        for dim, (name, vals) in enumerate(zip(self.names, self.values)):
-            labels = [f"{v:g}" if isinstance(v, float) else str(v) for v in vals]
+        for dim, (name, labels) in enumerate(zip(self.names, self.shown)):
             parts.append(
-                f'<label>{html.escape(name)} <input type="range" min="0" max="{len(vals) - 1}" '
+                f'<label>{html.escape(self.titles[name])} <input type="range" min="0" '
+                f'max="{len(labels) - 1}" '
                 f'step="1" value="{self.default[dim]}" data-rr-dim="{dim}" '
-                f"data-rr-labels='{html.escape(json.dumps(labels), quote=True)}' "
+                f"data-rr-labels='{html.escape(json.dumps(labels, ensure_ascii=False), quote=True)}' "
                 f'aria-valuetext="{html.escape(labels[self.default[dim]])}">'
                 f"<output>{html.escape(labels[self.default[dim]])}</output></label>")
         parts.append("</div>")
@@ -159,9 +163,15 @@ class Explorer:
         }
 
 
+def _label(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def explorer(draw: Callable[..., object], grid: Mapping[str, Sequence], *, alt: str,
              default: Mapping[str, object] | None = None, fmt: str = "svg",
-             dpi: int = 200, colors: int | None = 64) -> Explorer:
+             dpi: int = 200, colors: int | None = 64,
+             titles: Mapping[str, str] | None = None,
+             labels: Mapping[str, Mapping[object, str]] | None = None) -> Explorer:
     """Draw ``draw(**params)`` for every point of ``grid``; sliders switch frames.
 
     Parameters
@@ -176,7 +186,8 @@ def explorer(draw: Callable[..., object], grid: Mapping[str, Sequence], *, alt: 
         Parameter name -> the values its slider steps through.
     alt : str
         Alt text of each frame, a format string over the parameter names
-        (``"... strength {strength}"``): what the frame shows, in words.
+        (``"... strength {strength}"``): what the frame shows, in words. The
+        names are filled with the labels the reader sees (``labels``).
     default : mapping, optional
         The frame shown first and printed in the PDF (default: the first value
         of every parameter).
@@ -185,11 +196,20 @@ def explorer(draw: Callable[..., object], grid: Mapping[str, Sequence], *, alt: 
         line plots (about 30 kB a frame, 5 kB gzipped as the site serves it);
         PNG suits images and dense scatter plots.
     dpi : int
-        Resolution of PNG frames (and of the PDF's default frame); 200 is
-        sharp on high-DPI screens.
+        Resolution of PNG frames (and of the PDF's default frame); at least
+        200, so that a frame has twice the pixels of the column it fills and
+        stays sharp on high-DPI screens.
     colors : int or None
         Reduce PNG frames to this many colours (a palette PNG, about a third of
         the size); None keeps full colour.
+    titles : mapping of str to str, optional
+        The title shown beside each slider (default: the parameter name).
+        Readers see these, so write words and symbols (``"λ"``,
+        ``"angle (degrees)"``), not identifiers.
+    labels : mapping of str to mapping, optional
+        Per parameter, value -> the text shown for it (``{"variant":
+        {"rope-keys": "RoPE keys"}}``); every value of that parameter needs
+        one. Default: the value itself (floats with ``:g``).
 
     Returns
     -------
@@ -207,6 +227,24 @@ def explorer(draw: Callable[..., object], grid: Mapping[str, Sequence], *, alt: 
         raise ValueError(f"default names parameters not in grid: {sorted(unknown)}")
     if fmt not in ("svg", "png"):
         raise ValueError(f"fmt must be 'svg' or 'png', got {fmt!r}")
+    if fmt == "png" and dpi < 200:
+        raise ValueError(f"dpi must be at least 200 for PNG frames (twice the column's "
+                         f"pixels, so frames stay sharp), got {dpi}")
+    titles = dict(titles or {})
+    if set(titles) - set(names):
+        raise ValueError(f"titles names parameters not in grid: {sorted(set(titles) - set(names))}")
+    labels = dict(labels or {})
+    if set(labels) - set(names):
+        raise ValueError(f"labels names parameters not in grid: {sorted(set(labels) - set(names))}")
+    shown = []
+    for n, vals in zip(names, values):
+        if n in labels:
+            missing = [v for v in vals if v not in labels[n]]
+            if missing:
+                raise ValueError(f"labels[{n!r}] has no text for the values {missing!r}")
+            shown.append([str(labels[n][v]) for v in vals])
+        else:
+            shown.append([_label(v) for v in vals])
     import matplotlib.pyplot as plt
 
     start = tuple(v.index(default[n]) if n in default else 0 for n, v in zip(names, values))
@@ -221,7 +259,8 @@ def explorer(draw: Callable[..., object], grid: Mapping[str, Sequence], *, alt: 
         if idx == start:
             default_png = _png(fig, dpi, colors)
         plt.close(fig)
-    return Explorer(names, values, frames, start, default_png, alt, width_px)
+    return Explorer(names, values, frames, start, default_png, alt, width_px,
+                    titles={n: titles.get(n, n) for n in names}, shown=shown)
 
 
 def portable(value, digits: int = 6):
@@ -254,3 +293,84 @@ def glue(name: str, value, display: bool = True, *, digits: int = 6) -> None:
     from myst_nb import glue as _glue
 
     _glue(name, portable(value, digits), display=display)
+
+
+def _cell(value, fmt: str | None) -> str:
+    text = format(value, fmt) if fmt and not isinstance(value, str) else str(value)
+    if "\n" in text:
+        raise ValueError(f"a table cell cannot hold a line break, got {text!r}")
+    # A bare | ends the cell (also inside $...$ and `...`): escaped, it is a
+    # character of the cell again, in math and code alike.
+    return text.replace("\\|", "|").replace("|", "\\|")
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence], *, align: str | None = None,
+          fmt: Mapping[int, str] | None = None):
+    """A Markdown table that renders as the table it says: every ``|`` escaped.
+
+    Parameters
+    ----------
+    header : sequence of str
+        Column titles (Markdown and ``$math$`` allowed).
+    rows : sequence of sequences
+        One sequence per row, as many cells as ``header``; a cell is any
+        value, formatted with ``fmt`` (by column index) or ``str``.
+    align : str, optional
+        One letter per column, ``l``, ``c`` or ``r`` (default: numbers right,
+        text left, read from the first row).
+    fmt : mapping of int to str, optional
+        Column index -> format spec for non-string cells (``{2: ".2e"}``).
+
+    Returns
+    -------
+    IPython.display.Markdown
+        The table; displayed by a cell, the book renders it as an HTML table
+        (``nb_render_markdown_format: myst``) and nbval compares its text.
+
+    A ``|`` in a cell (``$\\max|e|$``, ``P @ [V | 1]``) would end the cell
+    early and shift the rest of the row, or turn the table into text: here
+    every ``|`` is escaped and the table is parsed once to check that each
+    row has as many cells as the header.
+    """
+    from IPython.display import Markdown
+
+    header = list(header)
+    rows = [list(r) for r in rows]
+    if not header:
+        raise ValueError("header needs at least one column")
+    for i, r in enumerate(rows):
+        if len(r) != len(header):
+            raise ValueError(f"rows[{i}] has {len(r)} cells, the header {len(header)}")
+    if align is None:
+        first = rows[0] if rows else [""] * len(header)
+        align = "".join("r" if isinstance(v, (int, float)) and not isinstance(v, bool) else "l"
+                        for v in first)
+    if len(align) != len(header) or set(align) - set("lcr"):
+        raise ValueError(f"align needs one of l, c, r per column ({len(header)}), got {align!r}")
+    fmt = dict(fmt or {})
+    rule = {"l": "---", "c": ":---:", "r": "---:"}
+    lines = ["| " + " | ".join(_cell(h, None) for h in header) + " |",
+             "|" + "|".join(rule[a] for a in align) + "|"]
+    lines += ["| " + " | ".join(_cell(v, fmt.get(j)) for j, v in enumerate(r)) + " |" for r in rows]
+    text = "\n".join(lines)
+    _check_table(text, len(header), len(rows))
+    return Markdown(text)
+
+
+def _check_table(text: str, columns: int, rows: int) -> None:
+    """Parse ``text`` as the book does; raise unless it is one table of that shape."""
+    try:
+        from markdown_it import MarkdownIt
+    except ImportError:  # pragma: no cover - myst-nb depends on markdown-it-py
+        return
+    tokens = MarkdownIt("commonmark").enable("table").parse(text)
+    kinds = [t.type for t in tokens]
+    cells: list[int] = []
+    for t in tokens:
+        if t.type == "tr_open":
+            cells.append(0)
+        elif t.type in ("th_open", "td_open"):
+            cells[-1] += 1
+    if kinds.count("table_open") != 1 or len(cells) != rows + 1 or set(cells) != {columns}:
+        raise ValueError(f"the table does not parse as {rows + 1} rows of {columns} cells: "
+                         f"got rows of {cells}")

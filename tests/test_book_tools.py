@@ -47,7 +47,7 @@ def test_explorer_frames_and_controls(fmt):
     assert len(imgs) == 6
     visible = [i for i in imgs if " hidden" not in i]
     assert len(visible) == 1 and 'data-rr-key="0,1"' in visible[0]  # a=1, b=2.0
-    assert 'alt="a=1, b=2.0"' in visible[0]
+    assert 'alt="a=1, b=2"' in visible[0]  # the label the reader sees
     assert html.count('type="range"') == 2 and 'max="2"' in html
     assert f"data:image/{'svg+xml,' if fmt == 'svg' else 'png;base64,'}" in html
     assert "<script>" in html and not re.search(r'(src|href)="https?:', html)  # self-contained
@@ -61,6 +61,53 @@ def test_explorer_rejects_bad_grid():
         book.explorer(_draw, {"a": [1], "b": [1]}, alt="", default={"c": 1})
     with pytest.raises(ValueError, match="fmt"):
         book.explorer(_draw, {"a": [1], "b": [1]}, alt="", fmt="gif")
+
+
+def test_explorer_shows_titles_and_labels_not_identifiers():
+    ex = book.explorer(_draw, {"a": [1, 2], "b": [1.0]}, alt="{a} at {b}",
+                       titles={"a": "λ"}, labels={"a": {1: "one", 2: "two"}})
+    html = ex.to_html()
+    assert "<label>λ <input" in html and "<label>b <input" in html
+    assert "<output>one</output>" in html and "&quot;two&quot;" in html
+    assert 'alt="one at 1"' in html
+    with pytest.raises(ValueError, match=r"labels\['a'\] has no text for the values \[2\]"):
+        book.explorer(_draw, {"a": [1, 2]}, alt="", labels={"a": {1: "one"}})
+    with pytest.raises(ValueError, match="titles names parameters not in grid"):
+        book.explorer(_draw, {"a": [1]}, alt="", titles={"z": "zed"})
+    with pytest.raises(ValueError, match="dpi must be at least 200"):
+        book.explorer(_draw, {"a": [1]}, alt="", fmt="png", dpi=100)
+
+
+def _cells(markdown: str) -> list[list[str]]:
+    from markdown_it import MarkdownIt
+
+    rows: list[list[str]] = []
+    tokens = MarkdownIt("commonmark").enable("table").parse(markdown)
+    for i, t in enumerate(tokens):
+        if t.type == "tr_open":
+            rows.append([])
+        elif t.type == "inline" and rows and tokens[i - 1].type in ("th_open", "td_open"):
+            rows[-1].append(t.content)
+    return rows
+
+
+def test_table_escapes_pipes_in_text_math_and_code():
+    t = book.table(["variant", r"$\max|e_{ij}|$", "note"],
+                   [["dot", 10.0, "P @ [V | 1]"], ["`a | b`", 3.25, r"already \| escaped"]],
+                   fmt={1: ".1f"})
+    assert _cells(t.data) == [["variant", r"$\max|e_{ij}|$", "note"],
+                              ["dot", "10.0", "P @ [V | 1]"],
+                              ["`a | b`", "3.2", "already | escaped"]]
+    assert t.data.splitlines()[1] == "|---|---:|---|"  # numbers right-aligned
+
+
+def test_table_rejects_bad_shapes():
+    with pytest.raises(ValueError, match=r"rows\[1\] has 1 cells, the header 2"):
+        book.table(["a", "b"], [[1, 2], [3]])
+    with pytest.raises(ValueError, match="line break"):
+        book.table(["a"], [["x\ny"]])
+    with pytest.raises(ValueError, match="align needs one of l, c, r per column"):
+        book.table(["a", "b"], [[1, 2]], align="r")
 
 
 def test_landing_answer_matches_the_result_file():
