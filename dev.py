@@ -15,7 +15,9 @@ Usage (from the repository root, with only Python >= 3.10 and pip):
                              # the stored outputs are the CPU's; set
                              # RR_TEST_DEVICE=cpu to compare them strictly)
     python3 dev.py pdf       # same set-up, then the whole book as one PDF
-                             # (_build/latex/book.pdf, copied beside the HTML)
+                             # (_build/latex/book.pdf) and the HTML again, with
+                             # the PDF beside it and the landing page's link to
+                             # it (a build without the PDF shows no link)
     python3 dev.py execute [chapters/NN_x.ipynb ...]
                              # re-run notebooks in place, storing outputs and
                              # widget state (what the book renders)
@@ -145,11 +147,16 @@ def ensure_tex() -> bool:
         and bool(shutil.which("xelatex") and shutil.which("latexmk"))
 
 
-PDF_NAME = "riemannian-attention.pdf"  # the landing page links ../riemannian-attention.pdf
+PDF_NAME = "riemannian-attention.pdf"  # beside the HTML; the landing page links it
 
 
 def build_pdf() -> None:
-    """The whole book through Sphinx's LaTeX builder and xelatex."""
+    """The whole book through Sphinx's LaTeX builder and xelatex, then the HTML.
+
+    The HTML build copies ``_build/latex/book.pdf`` beside the pages as
+    riemannian-attention.pdf and only then shows the landing page's link to it
+    (assets/sphinx/rr_book.py): a build without the PDF has no dead link.
+    """
     if not ensure_tex():
         raise SystemExit("the PDF needs xelatex and latexmk (Debian: "
                          + " ".join(TEX_PACKAGES) + "); install them, or run this as root "
@@ -159,12 +166,9 @@ def build_pdf() -> None:
     pdf = ROOT / "_build" / "latex" / "book.pdf"
     if not pdf.exists():
         raise SystemExit(f"no PDF at {pdf}: see the LaTeX log in {pdf.parent}")
-    # Beside the HTML, where the landing page's link points.
-    html = ROOT / "_build" / "html"
-    if html.exists():
-        shutil.copy(pdf, html / PDF_NAME)
-    print(f"pdf: {pdf} ({pdf.stat().st_size / 1e6:.1f} MB)"
-          + (f", copied to {html / PDF_NAME}" if html.exists() else ""), flush=True)
+    build_book(strict=False)
+    print(f"pdf: {pdf} ({pdf.stat().st_size / 1e6:.1f} MB), linked from the book as "
+          f"{ROOT / '_build' / 'html' / PDF_NAME}", flush=True)
 
 
 def fetch_assets() -> None:

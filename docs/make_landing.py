@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The landing page's answer: its figure, its four sentences and its explorer.
+"""The landing page's answer: its figure and its three sentences.
 
 Reads the committed controlled rank-collapse sweep
 (results/rank_collapse_controlled.json, written by
@@ -10,11 +10,12 @@ experiments/rank_collapse_causal.py), and writes, into docs/landing/,
 * ``rank_collapse.svg`` and ``rank_collapse.pdf``: the figure (the HTML book
   shows the SVG, the PDF book the PDF; chapters/00_preface.md names them as
   ``rank_collapse.*``);
-* ``answer.md``: the four sentences under the figure, with every number
-  computed here from the same file (included by the landing page);
-* ``explorer.html``: the "look for yourself" block, the attention variants of
-  the sweep at either temperature behind two sliders (chapters/_book.py), which
-  works without a kernel.
+* ``answer.md``: the three sentences under the figure, with every number
+  computed here from the same file (included by the landing page); the
+  asserts in :func:`answer_text` stop the script when a result no longer
+  supports a sentence.
+
+The sweep's explorer (every variant, both temperatures) is in chapter 9.
 
 When the results change, or the answer does, edit the sentences in
 :func:`answer_text` and run, from the repository root::
@@ -47,9 +48,6 @@ LABELS = {
     "hetero-query-s4": "per-token metric, query side, strength 4",
     "transport-flat": "values transported (flat connection)",
 }
-EXPLORE = {"l2": r"plain distance, $G = \lambda I$", "hetero-key": "per-token metric, key side",
-           "hetero-query-s4": "per-token, query, strength 4", "position-key": "a metric per position",
-           "transport-flat": "values transported (flat)", "rope-keys": "rotary keys"}
 TEMPS = {"gain 4": "unmatched", "equal entropy": "matched"}
 
 
@@ -159,42 +157,22 @@ def answer_text(res: dict, causal: dict | None = None) -> str:
     assert s["q4_unmatched"] > s["eu_unmatched"], "the query-side delay at gain 4 is gone: rewrite"
     assert s["expo_rope"] < 1.5 and s["rope_last"] < -1, "rotary keys no longer decay exponentially: rewrite"
     assert s["transport_last"] > -2, "value transport no longer keeps an order-one residual: rewrite"
+    # Three short sentences; the measurements behind each, with their seeds,
+    # intervals and tests, are in chapter 9 (the page links it below).
     return (
         "<!-- Written by docs/make_landing.py from results/rank_collapse_controlled.json and "
         "results/rank_collapse_causal.json; edit the script, not this file. -->\n"
-        f"**Provably no, near collapse, for every metric computed from the tokens.** If a token's "
-        f"metric is any Lipschitz function of its state (key, query or mean side, any rank, shared, "
-        f"with or without a bias), one pure attention layer maps a residual $\\rho$ to at most "
-        f"$C\\rho^3$, so a pure stack close to identical rows collapses doubly exponentially, as "
-        f"with dot products; measured over three decades, the mean fitted exponent lies between "
-        f"{s['expo_lo']:.2f} and {s['expo_hi']:.2f} for all {s['n_token']} such variants "
-        f"({s['seeds']} seeds each).\n"
-        f"Far from collapse it is a measurement: at equal initial attention entropy all "
-        f"{s['n_metric']} metric variants fall below $10^{{-6}}$ earlier than dot-product attention "
-        f"(the latest at depth {s['latest']:.1f}, the dot product at {s['euclid']:.1f}; paired over "
-        f"{s['seeds']} seeds, signed-rank tests with Holm's correction for the {s['n_compare']} "
-        f"variants that collapse), and the one delay seen at a "
-        f"fixed gain (a query-side metric of strength 4, depth {s['q4_unmatched']:.1f} against "
-        f"{s['eu_unmatched']:.1f}) was a temperature effect.\n"
-        f"What escapes is what does not vanish with the residual, and less escapes than it seems: "
-        f"a metric per position still collapses, with a quadratic map (exponent "
-        f"{s['expo_pos']:.2f}); rotary keys leave a linear map (exponent {s['expo_rope']:.2f}), so "
-        f"their residual still decays exponentially (a mean $\\log_{{10}}$ residual of "
-        f"${s['rope_last']:.1f}$ at depth {s['depth']}); only transporting the values along a "
-        f"connection keeps a residual of order one (above $10^{{{math.floor(s['transport_last'])}}}$ "
-        f"at depth {s['depth']}). At depth {s['deep']} a linear probe reads the input token at its "
-        f"position from none of these routes better than about chance (at most "
-        f"{s['probe_max']:.3f} against {s['chance']:.3f}): their residual depends on the input, but "
-        f"not in a form that the probe reads.\n"
-        f"With the causal mask of a decoder the mechanism changes: each token averages its prefix "
-        f"and the first sees only itself, so the one-layer map is linear for every score, and near "
-        f"identical rows a causal stack halves its residual per layer whatever its scores. Far from "
-        f"it, at matched entropy ({c['n_temps']} temperatures, "
-        f"{min(c['entropies']):.2f} to {max(c['entropies']):.2f} nats), distance and metric stacks "
-        f"collapse later than dot products ({c['later']} of {c['n_causal']} contrasts, none earlier; "
-        f"{c['seeds']} paired seeds, Holm's correction over {c['n_contrasts']} contrasts), but the plain "
-        f"distance $G = \\lambda I$ is later at every temperature and no per-token metric is later "
-        f"than it: the delay belongs to the distance, not to heterogeneous metrics.\n"
+        f"**Near collapse, no:** for every metric computed from the tokens, one pure attention "
+        f"layer maps a residual $\\rho$ to at most $C\\rho^3$, so a deep stack collapses doubly "
+        f"exponentially, as with dot products (fitted exponents {s['expo_lo']:.2f} to "
+        f"{s['expo_hi']:.2f} for {s['n_token']} variants).\n"
+        f"**Far from collapse, no delay either:** at equal initial attention entropy every metric "
+        f"variant falls below $10^{{-6}}$ before the dot product (by depth {s['latest']:.1f}, "
+        f"against {s['euclid']:.1f}), and only transporting the values keeps a residual, one "
+        f"that a linear probe cannot read.\n"
+        f"**In a decoder** the causal mask makes every score's one-layer map linear, so collapse "
+        f"near identical rows is only exponential; there the plain distance $G = \\lambda I$ "
+        f"collapses later than dot products, and no per-token metric later than it.\n"
     )
 
 
@@ -245,32 +223,6 @@ def hero_figure(res: dict):
     return fig
 
 
-def explorer_block(res: dict):
-    sys.path.insert(0, str(ROOT / "chapters"))
-    from _book import explorer
-
-    plt = _style()
-
-    def draw(variant, temperature):
-        cond = TEMPS[temperature]
-        fig, ax = plt.subplots(figsize=(5.2, 4.6), layout="constrained")
-        _band(ax, res, "euclidean", cond, color="0.15", ls="--", label="dot product (Euclidean)")
-        _band(ax, res, variant, cond, color="#2ca02c", label=EXPLORE[variant])
-        _axes(ax, res)
-        d = depth_to(curve(res, variant, cond)).mean()
-        e = depth_to(curve(res, "euclidean", cond)).mean()
-        head = f"below $10^{{-6}}$ at depth {d:.1f}" if np.isfinite(d) else "never below $10^{-6}$"
-        ax.set_title(f"{head}\n(dot product: {e:.1f}), {temperature}")
-        ax.legend(loc="upper left", bbox_to_anchor=(0, -0.2), frameon=False, fontsize=12)
-        return fig
-
-    # Slider names are draw()'s keyword arguments.
-    return explorer(draw, {"variant": list(EXPLORE), "temperature": list(TEMPS)},
-                    alt="Log10 relative residual against depth for dot-product attention and "
-                        "{variant}, both at {temperature}.",
-                    default={"variant": "hetero-query-s4", "temperature": "gain 4"})
-
-
 def main() -> int:
     res = load()
     OUT.mkdir(parents=True, exist_ok=True)
@@ -278,13 +230,6 @@ def main() -> int:
     fig = hero_figure(res)
     fig.savefig(OUT / "rank_collapse.svg", metadata={"Date": None})
     fig.savefig(OUT / "rank_collapse.pdf", metadata={"CreationDate": None, "ModDate": None})
-    (OUT / "explorer.html").write_text(
-        '<figure class="rr-explorer-figure">\n' + explorer_block(res).to_html()
-        + "\n<figcaption><p>The sweep behind the figure above, one setting at a time: an "
-        "attention variant (green) against the dot product (dashed), both at "
-        "<code>qk_gain</code> 4 or both at equal initial attention entropy. Move the sliders; "
-        "the frames are precomputed from the same result file, so this works without a Python "
-        "kernel or a network.</p></figcaption>\n</figure>\n")
     for p in sorted(OUT.iterdir()):
         print(f"{p.relative_to(ROOT)}: {p.stat().st_size / 1e3:.0f} kB")
     return 0

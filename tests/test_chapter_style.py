@@ -146,3 +146,50 @@ def test_no_edition_history_in_the_text():
     bad = [f"{where}: {m.group(0)!r}" for where, text in _markdown_sources()
            for m in HISTORY.finditer(text)]
     assert not bad, "edition history belongs in CHANGELOG.md:\n" + "\n".join(bad)
+
+
+def _fenced_code(text: str) -> list[str]:
+    return re.findall(r"^```(?:python|bash|py)?\n(.*?)^```", text, re.S | re.M)
+
+
+def test_code_in_pages_fits_the_column():
+    pages = sorted(CHAPTERS.rglob("*.md"))
+    long = [f"{p.relative_to(ROOT)}: {len(line)} chars: {line[:60]}..."
+            for p in pages for block in _fenced_code(p.read_text())
+            for line in block.splitlines() if len(line) > MAX_LINE]
+    assert not long, "\n".join(long)
+
+
+def test_api_page_examples_run():
+    """Each API page opens with a runnable example: it must run as printed."""
+    for page in sorted((CHAPTERS / "api").glob("*.md")):
+        ns: dict = {}
+        for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M):
+            exec(compile(block, str(page), "exec"), ns)  # noqa: S102 - the book's own example
+
+
+def _split_row(line: str) -> list[str]:
+    return re.split(r"(?<!\\)\|", line.strip().strip("|"))
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_tables_printed_by_cells_keep_their_cells(nb):
+    """A row with more cells than its header loses the extra ones without a word."""
+    bad = []
+    for i, cell in enumerate(_nb(nb)["cells"]):
+        for out in cell.get("outputs", []):
+            text = out.get("data", {}).get("text/markdown")
+            if not text:
+                continue
+            text = "".join(text) if isinstance(text, list) else text
+            block: list[str] = []
+            for line in text.splitlines() + [""]:
+                if line.lstrip().startswith("|"):
+                    block.append(line)
+                    continue
+                if len(block) >= 2:
+                    widths = [len(_split_row(r)) for r in block]
+                    if len(set(widths)) > 1:
+                        bad.append(f"cell {i}: rows of {widths} cells: {block[0][:60]}")
+                block = []
+    assert not bad, "\n".join(bad)

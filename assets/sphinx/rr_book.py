@@ -47,13 +47,46 @@
    ``rr-book.css`` (inline code wraps on a phone, figures fit the column,
    the note at frozen widgets) and ``rr-search.js`` (search snippets from
    the article text, deferred so it runs after Sphinx's searchtools.js).
+
+6. No broken table reaches a reader. A Markdown table with a bare ``|``
+   inside a cell (``$\\max|e|$``, ``P @ [V | 1]``) either splits the cell
+   or stops parsing as a table and renders as a paragraph of pipes. Any
+   paragraph that starts with ``|`` and reads like a table row is a warning
+   (an error under ``-W``), in the chapters' text and in the Markdown their
+   cells print. ``chapters/_book.table`` escapes the pipes.
+
+7. The PDF link on the landing page exists only where the PDF does. The
+   page says "Download the whole book as PDF" (a ``{raw} html`` block with
+   class ``rr-pdf-link``); ``python3 dev.py pdf`` builds ``_build/latex/book.pdf``
+   and then the HTML, which copies it beside the pages as
+   ``riemannian-attention.pdf``. Without that file the link becomes a line
+   saying how to build the PDF, so no build has a dead link. The landing page
+   is re-read on every build so that the link follows the file.
+
+8. The PDF has a book's structure (LaTeX builder only):
+   * the landing page is one unnumbered front-matter chapter, "Preface"
+     (its sections become run-in headings, not six chapters of one page);
+   * the chapters the HTML book numbers are numbered, the rest (claims
+     ledger, related work, API reference, bibliography) are not, so the
+     introduction is chapter 1 in both;
+   * folded cells stay out of print: a ``hide-input`` cell prints its output
+     only, a ``hide-output`` cell its input only, a ``hide-cell`` cell nothing
+     (the HTML book folds them behind a toggle).
 """
 from __future__ import annotations
 
 import importlib
 import re
+import shutil
 import sys
 from pathlib import Path
+
+from docutils import nodes
+from sphinx import addnodes
+from sphinx.util import logging
+
+LOGGER = logging.getLogger(__name__)
+PDF_NAME = "riemannian-attention.pdf"  # beside the HTML; dev.py pdf builds it
 
 PACKAGE = "riemannian_ref"
 ALIASES = {PACKAGE, "rr"}  # `import riemannian_ref as rr` in every chapter
@@ -178,8 +211,112 @@ def _one_search_box(app, config):
     config.html_theme_options.setdefault("navbar_persistent", [])
 
 
+_TABLE_ROW = re.compile(r"^\|.*\|")
+
+
+def _check_tables(app, doctree, docname):
+    """Warn on a paragraph that is a table which did not parse (6)."""
+    for para in doctree.findall(nodes.paragraph):
+        text = para.astext().strip()
+        first = para.children[0] if para.children else None
+        if (isinstance(first, nodes.Text) and _TABLE_ROW.match(text)
+                and ("|---" in text or "|:--" in text or text.count("|") >= 4)):
+            LOGGER.warning("a paragraph starts with '|': a Markdown table that did not parse "
+                           "(a bare | inside a cell ends the cell; build tables with "
+                           "chapters/_book.table, which escapes it): %s", text[:80],
+                           location=para, type="rr", subtype="table")
+
+
+def _pdf_source(app) -> Path:
+    return Path(app.outdir).parent / "latex" / "book.pdf"
+
+
+def _pdf_link(app, doctree, docname):
+    """The landing page's PDF link, or how to build the PDF (7)."""
+    if app.builder.format != "html" or docname != app.config.root_doc:
+        return
+    have = _pdf_source(app).exists()
+    for raw in list(doctree.findall(nodes.raw)):
+        if "rr-pdf-link" not in raw.astext() or have:
+            continue
+        note = nodes.paragraph()
+        note += nodes.Text("The whole book as one PDF is built by ")
+        note += nodes.literal(text="python3 dev.py pdf")
+        note += nodes.Text(" (it needs TeX); the published site has it beside these pages.")
+        raw.replace_self(note)
+
+
+def _landing_always_read(app, env, added, changed, removed):
+    return [app.config.root_doc] if app.builder.format == "html" else []
+
+
+def _copy_pdf(app, exception):
+    if exception is None and app.builder.format == "html" and _pdf_source(app).exists():
+        shutil.copy(_pdf_source(app), Path(app.outdir) / PDF_NAME)
+
+
+def _raw_latex(text: str) -> nodes.raw:
+    return nodes.raw("", text + "\n", format="latex")
+
+
+def _cell_tags(node) -> set[str]:
+    return {c[4:] for c in node.get("classes", []) if c.startswith("tag_")}
+
+
+def _latex_structure(app, doctree, docname):
+    """Preface, chapter numbering and folded cells in the PDF (8)."""
+    if app.builder.format != "latex":
+        return
+    # Folded cells: what the HTML book hides behind a toggle is not printed.
+    for cell in list(doctree.findall(nodes.container)):
+        if "cell" not in cell.get("classes", []) or cell.parent is None:
+            continue
+        tags = _cell_tags(cell)
+        if tags & {"hide-cell", "remove-cell"}:
+            cell.parent.remove(cell)
+            continue
+        for part, tag in (("cell_input", "hide-input"), ("cell_output", "hide-output")):
+            if tag in tags:
+                for child in [c for c in cell.children
+                              if isinstance(c, nodes.container) and part in c.get("classes", [])]:
+                    cell.remove(child)
+    if docname != app.config.root_doc:
+        return
+    env = app.env
+    # Each inlined document: numbered where the HTML book numbers it.
+    for start in doctree.findall(addnodes.start_of_file):
+        numbered = bool(env.toc_secnumbers.get(start["docname"]))
+        start.insert(0, _raw_latex(f"\\setcounter{{secnumdepth}}{{{2 if numbered else -1}}}"))
+    # The landing page (the root document's own sections, before the first
+    # inlined chapter): one front-matter chapter with run-in headings.
+    top = next(iter(doctree.findall(nodes.section)), None)
+    if top is None:
+        return
+    for sec in [s for s in top.findall(nodes.section) if s is not top
+                and not any(isinstance(a, addnodes.start_of_file) for a in _ancestors(s))]:
+        title = sec.next_node(nodes.title)
+        rubric = nodes.rubric("", "", *title.children) if title else nodes.rubric()
+        body = [c for c in sec.children if c is not title]
+        sec.replace_self([rubric, *body])
+    top.insert(1 if top.children and isinstance(top[0], nodes.title) else 0, _raw_latex(
+        "\\setcounter{secnumdepth}{-1}\\chapter*{Preface}"
+        "\\addcontentsline{toc}{chapter}{Preface}\\markboth{Preface}{Preface}"))
+
+
+def _ancestors(node):
+    node = node.parent
+    while node is not None:
+        yield node
+        node = node.parent
+
+
 def setup(app):
     app.connect("config-inited", _one_search_box)
+    app.connect("doctree-resolved", _check_tables)
+    app.connect("doctree-resolved", _pdf_link)
+    app.connect("doctree-resolved", _latex_structure)
+    app.connect("env-get-outdated", _landing_always_read)
+    app.connect("build-finished", _copy_pdf)
     app.add_css_file("rr-book.css")
     app.add_js_file("rr-search.js", defer="defer")
     app.connect("missing-reference", _missing_reference)

@@ -19,7 +19,18 @@ sent to a closed port. A page passes when
 * no script larger than 500 kB blocks the first paint (a classic script
   without ``async``/``defer`` before the article);
 * one search box;
-* at a phone's width (390 px) the page does not scroll sideways;
+* no table is broken: no paragraph of the text starts with ``|`` (a Markdown
+  table that did not parse), and every row of a table has as many cells as
+  its header (colspans counted);
+* at 1280 px every visible code block and output fits its column (code is
+  at most 80 characters a line, outputs wrap), and no word in a table is
+  broken over two lines;
+* every local link leads to a file that exists, and every ``#anchor`` to an
+  element of that page (the PDF link included: it is there only where the
+  PDF is);
+* at a phone's width (390 px) the page does not scroll sideways, no word in
+  a table is broken over two lines, and no equation number is drawn over its
+  equation;
 * on the pages listed in ``strict_pages.txt``: every image of the text is in
   a figure with a caption, has alt text that says something (not a file name
   or a hash) and is not shrunk below 3/4 of the width it was drawn for.
@@ -67,6 +78,7 @@ def _pages() -> list[str]:
 # the widget manager and for the images, then reports what a reader would see.
 INSPECT = r"""
 (async () => {
+%(checks)s
   const sleep = ms => new Promise(r => setTimeout(r, ms));
   const deadline = Date.now() + %(timeout_ms)d;
   const mathNodes = [...document.querySelectorAll('.math')];
@@ -110,6 +122,8 @@ INSPECT = r"""
   return {
     title: document.title,
     textLength: document.body.innerText.trim().length,
+    links: [...document.querySelectorAll('a[href]')].map(a => a.getAttribute('href'))
+      .filter(h => !/^(https?:|mailto:|javascript:|data:)/i.test(h)),
     mathNodes: mathNodes.length,
     mathUntypeset: mathNodes.filter(e => !e.querySelector('mjx-container'))
                              .map(e => e.textContent.trim().slice(0, 80)),
@@ -156,6 +170,10 @@ INSPECT = r"""
         && (sc.compareDocumentPosition(article) & Node.DOCUMENT_POSITION_FOLLOWING))
         .map(sc => sc.src);
     })(),
+    rawTables: rawTables(),
+    unevenTables: unevenTables(),
+    wideCode: wideCode(),
+    brokenWords: brokenWords(),
     searchBoxes: [...document.querySelectorAll('.search-button-field, input[name="q"]')]
       .filter(e => e.offsetParent !== null && e.getBoundingClientRect().width > 0).length,
     // Every image of the text: caption, alt text, shown at the size drawn for.
@@ -176,6 +194,51 @@ INSPECT = r"""
     })(),
   };
 })()
+"""
+
+# Shared by INSPECT and PHONE: checks of what a reader sees in tables and code.
+CHECKS = r"""
+  // A paragraph of the text that begins with '|': a table that did not parse.
+  const rawTables = () => [...document.querySelectorAll('article p')]
+    .filter(p => !p.closest('pre, code, .highlight') && /^\|.*\|/.test(p.textContent.trim()))
+    .map(p => p.textContent.trim().slice(0, 80));
+  // Rows with a different number of cells from the header's (colspans counted).
+  const unevenTables = () => [...document.querySelectorAll('article table')].filter(t => {
+    const counts = [...t.rows].map(r => [...r.cells].reduce((n, c) => n + (c.colSpan || 1), 0));
+    return counts.length && new Set(counts).size > 1 && !t.querySelector('[rowspan]');
+  }).map(t => (t.rows[0] ? t.rows[0].textContent : '').trim().replace(/\s+/g, ' ').slice(0, 60));
+  // Visible code and output blocks wider than their box (a reader scrolls, or misses the end).
+  const wideCode = () => [...document.querySelectorAll('article div.highlight pre, article div.cell_output pre')]
+    .filter(pre => pre.offsetParent !== null && pre.getBoundingClientRect().height > 0
+            && pre.scrollWidth > pre.clientWidth + 1)
+    .map(pre => `${pre.scrollWidth}>${pre.clientWidth}px: ` + pre.textContent.split('\n')
+      .reduce((a, b) => b.length > a.length ? b : a, '').trim().slice(0, 70));
+  // A word of a table cell drawn on two lines ("Introductio / n").
+  const brokenWords = () => {
+    const out = [];
+    for (const cell of document.querySelectorAll('article table td, article table th')) {
+      if (cell.offsetParent === null) continue;
+      const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+      for (let n = walker.nextNode(); n && out.length < 10; n = walker.nextNode()) {
+        if (n.parentElement.closest('mjx-container, .MathJax')) continue;
+        const re = /\S{4,}/g;
+        for (let m; (m = re.exec(n.textContent)) !== null;) {
+          const r = document.createRange();
+          r.setStart(n, m.index); r.setEnd(n, m.index + m[0].length);
+          const tops = new Set([...r.getClientRects()].filter(x => x.width > 0).map(x => Math.round(x.top)));
+          if (tops.size > 1 && !/[-\/_.,]/.test(m[0])) out.push(m[0]);
+        }
+      }
+    }
+    return out;
+  };
+  // An equation number drawn over its equation (at a phone's width).
+  const eqnoOverlaps = () => [...document.querySelectorAll('div.math')].filter(d => {
+    const no = d.querySelector('span.eqno'), eq = d.querySelector('mjx-container');
+    if (!no || !eq) return false;
+    const a = no.getBoundingClientRect(), b = eq.getBoundingClientRect();
+    return a.width > 0 && a.left < b.right && b.left < a.right && a.top < b.bottom && b.top < a.bottom;
+  }).map(d => d.querySelector('span.eqno').textContent.trim());
 """
 
 # Moves every slider of every kernel-free explorer and reports the ones whose
@@ -203,7 +266,9 @@ EXPLORE = r"""
 
 # At a phone's width: what sticks out of the page (text that does not wrap).
 PHONE = r"""
-(() => {
+(async () => {
+%(checks)s
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) await MathJax.startup.promise;
   const W = document.documentElement.clientWidth;
   const scrolls = e => { for (let p = e.parentElement; p; p = p.parentElement) {
     const o = getComputedStyle(p).overflowX; if (o === 'auto' || o === 'scroll' || o === 'hidden') return true; }
@@ -211,7 +276,8 @@ PHONE = r"""
   const wide = [...document.body.querySelectorAll('*')].filter(e => !e.children.length
     && e.getBoundingClientRect().right > W + 1 && !scrolls(e))
     .slice(0, 5).map(e => `${e.tagName.toLowerCase()}.${e.className}: ${(e.textContent || '').trim().slice(0, 50)}`);
-  return {scrollWidth: document.scrollingElement.scrollWidth, width: W, wide};
+  return {scrollWidth: document.scrollingElement.scrollWidth, width: W, wide,
+          brokenWords: brokenWords(), eqnoOverlaps: eqnoOverlaps()};
 })()
 """
 
@@ -260,6 +326,35 @@ def test_book_is_built():
     assert _pages(), f"no HTML pages under {HTML}"
 
 
+_IDS: dict[Path, set[str]] = {}
+
+
+def _ids(path: Path) -> set[str]:
+    if path not in _IDS:
+        _IDS[path] = set(re.findall(r'\bid="([^"]+)"', path.read_text(errors="replace")))
+    return _IDS[path]
+
+
+def _dead_links(page: str, hrefs: list[str]) -> list[str]:
+    """Local links of ``page`` whose file, or whose #anchor in it, does not exist."""
+    from urllib.parse import unquote, urlparse
+
+    dead = []
+    for href in sorted(set(hrefs)):
+        url = urlparse(href)
+        if url.scheme and url.scheme != "file":
+            continue
+        target = (HTML / page).parent / unquote(url.path) if url.path else HTML / page
+        target = target.resolve()
+        if target.is_dir():
+            target = target / "index.html"
+        if not target.is_file():
+            dead.append(href)
+        elif url.fragment and target.suffix == ".html" and unquote(url.fragment) not in _ids(target):
+            dead.append(href)
+    return dead
+
+
 def _redirect(page: str) -> str | None:
     """Target of a ``<meta http-equiv="refresh">`` page (the root index.html)."""
     m = re.search(r'http-equiv="refresh"[^>]*url=([^"]+)"', (HTML / page).read_text(), re.I)
@@ -274,7 +369,8 @@ def test_page_reads_offline(browser, page):
         return
     tab = browser.open((HTML / page).as_uri(), timeout=TIMEOUT_S)
     try:
-        info = tab.evaluate(INSPECT % {"timeout_ms": TIMEOUT_S * 1000}, timeout=TIMEOUT_S + 30)
+        info = tab.evaluate(INSPECT % {"timeout_ms": TIMEOUT_S * 1000, "checks": CHECKS},
+                            timeout=TIMEOUT_S + 30)
         stem = page.removesuffix(".html").replace("/", "__")
         tab.screenshot(SHOTS / f"{stem}.png")
         for i, box in enumerate(info["widgetBoxes"]):  # widgets further down than the cut
@@ -321,6 +417,18 @@ def test_page_reads_offline(browser, page):
     if sizes and max(sizes.values()) > BLOCKING_LIMIT:
         big = max(sizes, key=sizes.get)
         problems.append(f"a {sizes[big] / 1e3:.0f} kB script blocks the first paint: {big}")
+    if info["rawTables"]:
+        problems.append(f"tables shown as text (a bare | in a cell?): {info['rawTables'][:3]}")
+    if info["unevenTables"]:
+        problems.append(f"tables whose rows have different cell counts: {info['unevenTables'][:3]}")
+    if info["wideCode"]:
+        problems.append(f"{len(info['wideCode'])} visible code or output blocks wider than the "
+                        f"column: {info['wideCode'][:3]}")
+    if info["brokenWords"]:
+        problems.append(f"words broken over two lines in tables: {info['brokenWords'][:5]}")
+    dead = _dead_links(page, info["links"])
+    if dead:
+        problems.append(f"links to nothing: {dead[:5]}")
     if info["searchBoxes"] > 1:
         problems.append(f"{info['searchBoxes']} search boxes on the page")
     if page in STRICT:
@@ -351,13 +459,19 @@ def test_page_fits_a_phone(phone, page):
     tab = phone.open((HTML / page).as_uri(), timeout=TIMEOUT_S)
     try:
         tab.evaluate("new Promise(r => setTimeout(r, 500))")
-        info = tab.evaluate(PHONE)
+        info = tab.evaluate(PHONE % {"checks": CHECKS}, timeout=TIMEOUT_S)
         if page in STRICT:
             tab.screenshot(SHOTS / "phone" / f"{page.removesuffix('.html').replace('/', '__')}.png")
     finally:
         tab.close()
-    assert info["scrollWidth"] <= info["width"] + 1, (
-        f"{page} is {info['scrollWidth']} px wide at {info['width']} px: {info['wide']}")
+    problems = []
+    if info["scrollWidth"] > info["width"] + 1:
+        problems.append(f"{info['scrollWidth']} px wide at {info['width']} px: {info['wide']}")
+    if info["brokenWords"]:
+        problems.append(f"words broken over two lines in tables: {info['brokenWords'][:5]}")
+    if info["eqnoOverlaps"]:
+        problems.append(f"equation numbers drawn over their equation: {info['eqnoOverlaps'][:5]}")
+    assert not problems, f"{page} at {PHONE_WIDTH} px:\n  " + "\n  ".join(problems)
 
 
 def test_search_page_has_one_search_box(browser):
