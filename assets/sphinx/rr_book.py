@@ -292,8 +292,11 @@ def _latex_structure(app, doctree, docname):
     top = next(iter(doctree.findall(nodes.section)), None)
     if top is None:
         return
-    for sec in [s for s in top.findall(nodes.section) if s is not top
-                and not any(isinstance(a, addnodes.start_of_file) for a in _ancestors(s))]:
+    # (Sphinx inlines the chapters by setting start_of_file.children, which
+    # leaves their parent links unset: find them from above.)
+    inlined = {id(s) for sof in doctree.findall(addnodes.start_of_file)
+               for s in sof.findall(nodes.section)}
+    for sec in [s for s in top.findall(nodes.section) if s is not top and id(s) not in inlined]:
         title = sec.next_node(nodes.title)
         rubric = nodes.rubric("", "", *title.children) if title else nodes.rubric()
         body = [c for c in sec.children if c is not title]
@@ -301,13 +304,6 @@ def _latex_structure(app, doctree, docname):
     top.insert(1 if top.children and isinstance(top[0], nodes.title) else 0, _raw_latex(
         "\\setcounter{secnumdepth}{-1}\\chapter*{Preface}"
         "\\addcontentsline{toc}{chapter}{Preface}\\markboth{Preface}{Preface}"))
-
-
-def _ancestors(node):
-    node = node.parent
-    while node is not None:
-        yield node
-        node = node.parent
 
 
 def setup(app):
