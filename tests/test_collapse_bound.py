@@ -240,3 +240,13 @@ def test_a_causal_layer_is_refused_its_map_is_linear(kw):
     xbar, R = torch.randn(16, dtype=DT), torch.randn(8, 16, dtype=DT)
     rho_in, rho_out = collapse_map(attn, xbar, R, torch.tensor([1e-4, 1e-5], dtype=DT))
     assert 0.9 < math.log10(rho_out[0] / rho_out[1]) < 1.1  # ten times smaller input, ten times smaller output
+
+
+def test_a_nonlinear_metric_network_is_refused_with_the_reason():
+    """The certificate needs x -> U(x) linear (its weight's norm is the Lipschitz constant)."""
+    attn = _layer(**METRIC)
+    net = next(m for m in attn.modules() if isinstance(getattr(m, "proj", None), torch.nn.Linear))
+    lin = net.proj
+    net.proj = torch.nn.Sequential(lin, torch.nn.Tanh())
+    with pytest.raises(ValueError, match="one linear layer .* got Sequential"):
+        collapse_bound(attn, torch.zeros(16, dtype=DT), 0.1)

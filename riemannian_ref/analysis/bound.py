@@ -152,7 +152,13 @@ def collapse_bound(attn, center: Tensor, radius: float, *, n: int | None = None)
         U = net.U.to(dt) if net.U is not None else torch.zeros(h, d, 0, dtype=dt)  # (h, d, r)
         Ubar, L_U = U * t.sqrt().view(h, 1, 1), torch.zeros(h, dtype=dt)
     else:
-        W = net.proj.weight.to(dt).view(h, d * r, -1)  # (h, d r, D)
+        proj = getattr(net, "proj", None)
+        if not isinstance(proj, torch.nn.Linear):
+            raise ValueError(
+                "collapse_bound needs the metric network's factor map to be one linear layer "
+                f"(MetricNet.proj, an nn.Linear), got {type(proj).__name__}: the certificate uses "
+                "its weight's spectral norm as the Lipschitz constant of x -> U(x)")
+        W = proj.weight.to(dt).view(h, d * r, -1)  # (h, d r, D)
         b = net.proj.bias.to(dt).view(h, d * r) if net.proj.bias is not None else torch.zeros(h, d * r, dtype=dt)
         Ubar = ((W @ center) + b).view(h, d, r) * t.sqrt().view(h, 1, 1)  # U(xbar)   (h, d, r)
         L_U = _spec(W) * t.sqrt()  # Lipschitz constant of x -> U_h(x), Frobenius to 2-norm
