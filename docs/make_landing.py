@@ -41,12 +41,12 @@ CAUSAL = ROOT / "results" / "rank_collapse_causal.json"
 OUT = ROOT / "docs" / "landing"
 LEVEL = -6.0  # "collapsed": relative residual below 1e-6 (as in chapter 9)
 
-LABELS = {
-    "euclidean": "dot product (Euclidean)",
-    "l2": r"plain distance, $G = \lambda I$",
-    "hetero-key": "per-token metric, key side",
-    "hetero-query-s4": "per-token metric, query side, strength 4",
-    "transport-flat": "values transported (flat connection)",
+LABELS = {  # the words chapter 9 uses for the same variants
+    "euclidean": "dot product",
+    "l2": r"distance, $G = \lambda I$",
+    "hetero-key": "per-token key metric",
+    "hetero-query-s4": "per-token query metric, strength 4",
+    "transport-flat": "value transport, flat",
 }
 TEMPS = {"gain 4": "unmatched", "equal entropy": "matched"}
 
