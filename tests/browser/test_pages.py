@@ -199,9 +199,18 @@ INSPECT = r"""
 # Shared by INSPECT and PHONE: checks of what a reader sees in tables and code.
 CHECKS = r"""
   // A paragraph of the text that begins with '|': a table that did not parse.
+  // (Its own text: a paragraph may open with a formula such as |x|, which is not a table.)
+  const ownText = el => {
+    const w = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+    let s = '';
+    for (let n = w.nextNode(); n; n = w.nextNode())
+      if (!n.parentElement.closest('mjx-container, .MathJax, .math, code')) s += n.textContent;
+    return s.trim();
+  };
   const rawTables = () => [...document.querySelectorAll('article p')]
-    .filter(p => !p.closest('pre, code, .highlight') && /^\|.*\|/.test(p.textContent.trim()))
-    .map(p => p.textContent.trim().slice(0, 80));
+    .filter(p => !p.closest('pre, code, .highlight'))
+    .map(ownText).filter(t => /^\|.*\|/.test(t) && (t.match(/\|/g) || []).length >= 3)
+    .map(t => t.slice(0, 80));
   // Rows with a different number of cells from the header's (colspans counted).
   const unevenTables = () => [...document.querySelectorAll('article table')].filter(t => {
     const counts = [...t.rows].map(r => [...r.cells].reduce((n, c) => n + (c.colSpan || 1), 0));
