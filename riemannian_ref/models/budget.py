@@ -233,17 +233,17 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
     solve) and ``"head"``.
 
     Matrix products (2 FLOPs per multiply-add) are counted as the kernels
-    execute them, the pairwise ones by :func:`attention_flops`: SDPA
-    (FlashAttention-2) for dot products, for one metric per head at head size
-    :math:`d + 1` and for ``metric_subspace = m`` at
-    :math:`d + m(m+1)/2 + 1` (``"mean"``: :math:`d + m + m(m+1) + 1`, with the
-    lift's per-token products); the blockwise operator for per-token factors;
-    the content connection's fused CPU kernel (elementwise but for the
-    :math:`O(n d r)` products around it) or its dense einsums
-    (``fused_content=False``); every linear layer's backward twice its
-    forward. Elementwise work (softmax, squares, rotations, the transport of
-    every pair), at one FLOP per operation, is reported apart: a fused GPU
-    kernel hides it, a CPU pays it.
+    execute them, the pairwise ones by
+    :func:`~riemannian_ref.models.attention_flops`: SDPA (FlashAttention-2)
+    for dot products, for one metric per head at head size :math:`d + 1` and
+    for ``metric_subspace = m`` at :math:`d + m(m+1)/2 + 1` (``"mean"``:
+    :math:`d + m + m(m+1) + 1`, with the lift's per-token products); the
+    blockwise operator for per-token factors; the content connection's fused
+    CPU kernel (elementwise but for the :math:`O(n d r)` products around it)
+    or its dense einsums (``fused_content=False``); every linear layer's
+    backward twice its forward. Elementwise work (softmax, squares, rotations,
+    the transport of every pair), at one FLOP per operation, is reported
+    apart: a fused GPU kernel hides it, a CPU pays it.
 
     Memory counts what a training step holds: parameters, their gradients and
     ``optimizer_states`` copies (Adam: 2), and the activations autograd keeps
