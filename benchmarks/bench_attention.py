@@ -14,8 +14,10 @@ side on the whole grid, the query and mean sides on ``--side-ns`` at
   timed alternately (each round repeats a call until 0.1 s of SDPA is
   filled), ``--reps`` rounds, and the median of the per-round ratios
   is reported, so a change of machine load between rounds cancels;
-* the FLOP-predicted ratio (see :func:`flops`): matrix products AND the extra
-  elementwise work (squares of the rank products, their gradients, softmax);
+* the FLOP-predicted ratio (the package's count,
+  :func:`riemannian_ref.models.budget.attention_flops`): matrix products as
+  the kernels execute them AND the extra elementwise work (squares of the rank
+  products, their gradients, softmax);
 * measured / predicted, the number the targets are about (<= 1.3);
 * peak extra memory, operator vs SDPA, at the largest n: each configuration
   runs in a fresh subprocess with ``MALLOC_MMAP_THRESHOLD_=65536`` (every
@@ -49,31 +51,16 @@ import torch.nn.functional as F
 
 import riemannian_ref as rr
 from riemannian_ref._io import atomic_write_text
+from riemannian_ref.models.budget import attention_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def flops(n: int, d: int, r: int, op: str, side: str = "key") -> tuple[float, float]:
-    """(forward, backward) floating-point operations per (batch, head), counted by hand.
-
-    SDPA: scores ``2 n^2 d``, softmax ``5 n^2`` (max, subtract, exp, sum,
-    rescale), ``A V`` ``2 n^2 d``; backward: recomputed scores and softmax,
-    ``dV``, ``dP``, ``dQ``, ``dK`` (``2 n^2 d`` each) and ``dS`` (``3 n^2``).
-    Riemannian (width ``w = 1 + r``, ``1 + 2r`` for "mean"): one product of
-    inner size ``d + 1`` and width ``w`` for the scores, ``2 (w - 1) n^2`` for
-    the squares; backward adds ``dS``, ``dX = -2 X dS`` (``2 (w - 1) n^2``) and
-    the two products of width ``w`` for ``dQ`` and the stacked key block.
-    """
-    n2 = float(n) * n
-    if op == "sdpa":
-        fwd = n2 * (4 * d + 5)
-        bwd = n2 * (2 * d + 2) + n2 * (8 * d + 3)
-        return fwd, bwd
-    w = 1 + (2 * r if side == "mean" else r)
-    score = n2 * (2 * w * (d + 1) + 2 * (w - 1))
-    fwd = score + n2 * (2 * d + 5)
-    bwd = score + n2 * 2 + n2 * (4 * d + 3) + n2 * 2 * (w - 1) + n2 * 4 * w * (d + 1)
-    return fwd, bwd
+def predicted(n: int, d: int, r: int, side: str, backward: bool) -> float:
+    """The operator's FLOP count over SDPA's (:func:`riemannian_ref.models.budget.attention_flops`)."""
+    def work(c):
+        return c["matmul_fwd"] + c["elementwise_fwd"] + (c["matmul_bwd"] + c["elementwise_bwd"] if backward else 0)
+    return work(attention_flops(n, d, r, metric_side=side)) / work(attention_flops(n, d, kernel="sdpa"))
 
 
 def make_inputs(B, h, n, d, r, side, seed=0, grad=False):
@@ -278,8 +265,7 @@ def main():
         for backward in (False, True):
             ratio, ts, to, all_r = time_pair(B, args.heads, n, args.d, r, side, backward, args.reps,
                                               args.min_time)
-            fs, fo = flops(n, args.d, r, "sdpa"), flops(n, args.d, r, "rr", side)
-            pred = (fo[0] + fo[1] * backward) / (fs[0] + fs[1] * backward)
+            pred = predicted(n, args.d, r, side, backward)
             row = dict(side=side, B=B, threads=threads, n=n, r=r, passes="fwd+bwd" if backward else "fwd",
                        sdpa_ms=ts * 1e3, ours_ms=to * 1e3, ratio=ratio, ratio_rounds=all_r, predicted=pred,
                        measured_over_predicted=ratio / pred, load=os.getloadavg()[0])

@@ -25,7 +25,7 @@ head dimension ``d``:
 Every round times SDPA and then each route of the row (each repeating calls
 until ``--min-time`` seconds of SDPA are filled), alternately, ``--reps``
 rounds; a row reports the median over rounds of the per-round time ratio to
-SDPA, next to the FLOP-predicted ratio (``bench_attention.flops``: SDPA at
+SDPA, next to the FLOP-predicted ratio (``models.budget.attention_flops``: SDPA at
 the lifted head size for the lifted routes, the operator's count for the
 operator, SDPA plus the mask's additions for ``sdpa_bias``) and measured /
 predicted. The load average before and after, and at every row, is recorded;
@@ -50,10 +50,11 @@ import torch.nn.functional as F
 import riemannian_ref as rr
 from riemannian_ref._io import atomic_write_text
 from riemannian_ref.attention import functional
+from riemannian_ref.models.budget import attention_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_attention import flops, machine_info  # noqa: E402
+from bench_attention import machine_info  # noqa: E402
 
 ONE_METRIC_ROUTES = ("operator", "sdpa_bias", "sdpa_lifted")
 FORCE = {"operator": "blockwise", "sdpa_bias": "sdpa_bias", "sdpa_lifted": "sdpa_lifted"}
@@ -129,14 +130,14 @@ def time_row(fns: dict, reps: int, min_time: float) -> dict:
 
 def predicted(route, case, n, d):
     """FLOP-predicted time ratio to SDPA at head size d, forward+backward (causal halves both sides alike)."""
-    sdpa = sum(flops(n, d, 0, "sdpa"))
+    sdpa = sum(attention_flops(n, d, kernel="sdpa").values())
     kind, size = case
     if route == "sdpa_lifted":
         width = d + 1 + (size * (size + 1) // 2 if kind == "subspace" else 0)
-        return sum(flops(n, width, 0, "sdpa")) / sdpa
+        return sum(attention_flops(n, width, kernel="sdpa").values()) / sdpa
     if route == "sdpa_bias":  # the same products; the mask added to the scores and its gradient reduced
         return (sdpa + 2.0 * n * n) / sdpa
-    return sum(flops(n, d, size if kind == "subspace" else 0, "rr")) / sdpa  # the operator
+    return sum(attention_flops(n, d, size if kind == "subspace" else 0).values()) / sdpa  # the operator
 
 
 def case_name(case):

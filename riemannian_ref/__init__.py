@@ -26,7 +26,7 @@ from .data import TaskData, associative_recall, char_lm, counting, modular_arith
 from .geometry import (LowRankMetric, MetricField, MetricNet, SubspaceFactors, dot_product_form, non_gram_factors,
                        numerical_rank, pair_distance, riemannian_scores, score_rank_bound, segment_length,
                        shortest_path)
-from .models import (FiberBundleConfig, FiberBundleTransformer, RecallHead, count_parameters, estimate_flops,
+from .models import (FiberBundleConfig, FiberBundleTransformer, RecallHead, count_parameters, estimate_cost,
                      match_width)
 from .optim import LowRankAdam, Stiefel, StiefelAdam
 from .protocol import compare
@@ -42,7 +42,7 @@ __all__ = [
     "riemannian_attention", "riemannian_attention_reference", "blockwise_attention", "connection_attention",
     "AttentionConfig", "RiemannianAttention",
     # models
-    "FiberBundleConfig", "FiberBundleTransformer", "RecallHead", "count_parameters", "estimate_flops",
+    "FiberBundleConfig", "FiberBundleTransformer", "RecallHead", "count_parameters", "estimate_cost",
     "match_width",
     # analysis
     "relative_residual", "residual", "composite_norm", "stable_rank", "energy_effective_rank",

@@ -1,20 +1,26 @@
-"""The whole-cost model (riemannian_ref.models.budget.estimate_cost) against what actually runs.
+"""The cost model (riemannian_ref.models.budget) against what actually runs.
 
-Matrix-product FLOPs are compared with torch.utils.flop_counter.FlopCounterMode
-on a forward and a backward pass of real models in every mode (the counter
+Matrix-product FLOPs are compared with torch.utils.flop_counter.FlopCounterMode:
+``attention_flops``, the one count of an attention kernel that the cost model
+and the benchmarks share, on the operator and SDPA alone; ``estimate_cost`` on
+a forward and a backward pass of real models in every mode (the counter
 misses in-place ``baddbmm_``, which the operator uses: it is added as a custom
 formula); activation memory with the bytes of the tensors autograd saves for
 the backward. Both must agree closely: the chapter evaluates the same model at
 GPT-2, 1.3B and 7B shapes.
 """
+import contextlib
+import functools
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import riemannian_ref as rr
-from riemannian_ref.attention import _content_cpu
-from riemannian_ref.models.budget import estimate_cost
+from riemannian_ref.attention import _content_cpu, functional
+from riemannian_ref.models.budget import attention_flops, estimate_cost
 
 aten = torch.ops.aten
 
@@ -33,11 +39,11 @@ def _inplace_bmm(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
     return 2 * b * m * k * b_shape[-1]
 
 
-def counted_flops(model, idx):
-    """Matrix-product FLOPs of a forward and of a backward pass, as FlopCounterMode counts them."""
+def counted_flops(call):
+    """Matrix-product FLOPs of ``call()`` and of the backward of its output, as FlopCounterMode counts them."""
     with sdpa_kernel(SDPBackend.MATH):  # the CPU flash kernel is not counted; the math path is
         with FlopCounterMode(display=False, custom_mapping={aten.baddbmm_: _inplace_bmm}) as fc:
-            out = model(idx).logits
+            out = call()
         fwd = fc.get_total_flops()
         with FlopCounterMode(display=False, custom_mapping={aten.baddbmm_: _inplace_bmm}) as fc:
             out.square().sum().backward()
@@ -75,7 +81,7 @@ def test_matmul_flops_and_activations_match_what_runs(extra, fused, monkeypatch)
     cfg = rr.FiberBundleConfig.tiny(block_size=n, metric_rank=3, **extra)
     model = rr.FiberBundleTransformer(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, n))
-    fwd, bwd = counted_flops(model, idx)
+    fwd, bwd = counted_flops(lambda: model(idx).logits)
     cost = estimate_cost(cfg, n, batch=2, fused_content=fused)
     tot = cost["flops"]["total"]
     # the math path does not recompute the scores in its backward, FlashAttention-2 does (2 n^2 hd per layer)
@@ -89,6 +95,33 @@ def test_matmul_flops_and_activations_match_what_runs(extra, fused, monkeypatch)
     assert tot["matmul_fwd"] == pytest.approx(fwd, rel=0.01)
     assert tot["matmul_bwd"] - recompute == pytest.approx(bwd, rel=0.01)
     assert sum(cost["memory"]["activations"].values()) == pytest.approx(saved_bytes(model, idx), rel=0.08)
+
+
+@pytest.mark.parametrize("side,rank", [("key", 0), ("key", 1), ("key", 3), ("query", 2), ("mean", 1), ("mean", 3),
+                                       ("sdpa", 0)])
+def test_attention_flops_is_what_the_kernels_run(side, rank):
+    """The per-(batch, head) count of the operator and of SDPA against the counter, forward and backward."""
+    B, h, n, d = 2, 3, 40, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, h, n, d, generator=g, requires_grad=True) for _ in range(3))
+    U = torch.randn(B, h, n, d, rank, generator=g) / d
+    if side == "sdpa":
+        call = functools.partial(F.scaled_dot_product_attention, q, k, v)
+        est = attention_flops(n, d, kernel="sdpa")
+        recompute = 2 * n * n * d  # FlashAttention-2 recomputes the scores, the math path does not
+    else:
+        U = U if rank else None  # G = lam I: forced onto the operator below
+        factors = dict(U_k=U if side != "query" else None, U_q=U if side != "key" else None)
+        call = functools.partial(rr.riemannian_attention, q, k, v, metric_side=side, **factors)
+        est = attention_flops(n, d, rank, metric_side=side)
+        recompute = 0
+    with contextlib.nullcontext() if side == "sdpa" else functional._force_backend("blockwise"):
+        fwd, bwd = counted_flops(call)
+    assert est["matmul_fwd"] * B * h == fwd
+    assert (est["matmul_bwd"] - recompute) * B * h == bwd
+    half = attention_flops(n, d, rank, kernel="sdpa" if side == "sdpa" else "blockwise",
+                           metric_side="key" if side == "sdpa" else side, causal_skip=True)
+    assert half == {key: val / 2 for key, val in est.items()}  # every pairwise term halves
 
 
 def test_pairwise_terms_and_memory_scale_as_expected():
@@ -119,19 +152,31 @@ def test_subspace_metrics_cost_a_wider_dot_product_not_r_products():
         tok, lift = (estimate_cost(c, seq)["flops"]["attention"]["total"] for c in (base, sub))
         eu = estimate_cost(base.replace(mode="euclidean"), seq)["flops"]["attention"]["total"]
         assert eu < lift < tok
-        quick = rr.estimate_flops(sub, seq)["metric"]
-        assert quick < rr.estimate_flops(base, seq)["metric"]
+        net = (estimate_cost(c, seq)["flops"]["metric"]["total"] for c in (sub, base))
+        assert next(net) < next(net)  # the network computes m r coefficients per head, not d r entries
     r8 = estimate_cost(sub.replace(metric_rank=8), 4096)["flops"]["attention"]
     r4 = estimate_cost(sub, 4096)["flops"]["attention"]
     assert r8["total"] / r4["total"] < 1.01  # the rank only enters the per-token products
 
 
-@pytest.mark.parametrize("kw,match", [(dict(seq_len=0), "seq_len must be a positive int"),
-                                      (dict(batch=1.5), "batch must be a positive int"),
-                                      (dict(dtype_bytes=True), "dtype_bytes must be a positive int")])
+@pytest.mark.parametrize("kw,match", [(dict(seq_len=0), "seq_len must be an int >= 1"),
+                                      (dict(batch=1.5), "batch must be an int >= 1"),
+                                      (dict(dtype_bytes=True), "dtype_bytes must be an int >= 1"),
+                                      (dict(optimizer_states=-1), "optimizer_states must be an int >= 0"),
+                                      (dict(causal_skip=1), "causal_skip must be a bool")])
 def test_bad_arguments_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         estimate_cost(rr.FiberBundleConfig.tiny(), **kw)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(n=0), "n must be"), (dict(d=2.0), "d must be"),
+                                      (dict(rank=-1), "rank must be"), (dict(kernel="flash"), "kernel must be"),
+                                      (dict(metric_side="left"), "metric_side must be"),
+                                      (dict(causal_skip=None), "causal_skip must be"),
+                                      (dict(kernel="sdpa", rank=2), "rank must be 0 for kernel='sdpa'")])
+def test_attention_flops_refuses_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        attention_flops(**{"n": 8, "d": 4, **kw})
 
 
 def test_parameter_total_of_the_cost_model_is_count_parameters():

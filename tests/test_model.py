@@ -195,7 +195,7 @@ def test_parameter_counts_and_matched_width():
     matched = rr.match_width(fb, target)
     gap = abs(rr.count_parameters(matched)["total"] - target)
     assert matched.d_model < fb.d_model and gap < abs(rr.count_parameters(fb)["total"] - target)
-    flops = {m: rr.estimate_flops(rr.FiberBundleConfig.small(mode=m))["total"] for m in MODES}
+    flops = {m: rr.estimate_cost(rr.FiberBundleConfig.small(mode=m))["flops"]["total"]["total"] for m in MODES}
     assert flops["euclidean"] < flops["riemannian"] < flops["fiber_bundle"]
 
 

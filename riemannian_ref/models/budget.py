@@ -1,12 +1,11 @@
-r"""Budgets of a :class:`~riemannian_ref.models.transformer.FiberBundleTransformer`: parameters and FLOPs.
+r"""Budgets of a :class:`~riemannian_ref.models.transformer.FiberBundleTransformer`: parameters, FLOPs, memory.
 
 :func:`count_parameters` counts a model's (or a config's) parameters by
-component, :func:`estimate_flops` its forward FLOPs by component (the quick,
-idealised count), :func:`estimate_cost` the FLOPs and memory of a whole
-training step as this package's kernels execute it (checked against
-:class:`torch.utils.flop_counter.FlopCounterMode`, the autograd graph's saved
-tensors and measured step times), and :func:`match_width` resizes a config to a
-parameter budget, so that modes can be compared at matched size.
+component, :func:`estimate_cost` the FLOPs and memory of a whole training step
+as this package's kernels execute it, and :func:`match_width` resizes a config
+to a parameter budget, so that modes can be compared at matched size.
+:func:`attention_flops` is the one count of an attention kernel's pairwise
+work: :func:`estimate_cost` and the benchmarks both use it.
 """
 from __future__ import annotations
 
@@ -15,11 +14,11 @@ import functools
 import torch
 from torch import nn
 
-from .._checks import check_bool, check_int as _pos_int
+from .._checks import check_bool, check_choice, check_int as _pos_int
 from .config import FiberBundleConfig
 from .transformer import FiberBundleTransformer
 
-__all__ = ["count_parameters", "estimate_cost", "estimate_flops", "match_width"]
+__all__ = ["attention_flops", "count_parameters", "estimate_cost", "match_width"]
 
 _COMPONENTS = ("embedding", "positions", "attention", "metric", "connection", "ffn", "ffn_metric",
                "norms", "head")
@@ -147,79 +146,69 @@ def match_width(config: FiberBundleConfig, target: int, *, exclude_embedding: bo
     return best
 
 
-def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dict[str, float]:
-    """Forward FLOPs of one sequence, by component (multiply-add = 2 FLOPs).
+_COST_PARTS = ("attention", "metric", "connection", "ffn", "ffn_metric", "head")
+_COST_KEYS = ("matmul_fwd", "matmul_bwd", "elementwise_fwd", "elementwise_bwd")
 
-    Matmuls are counted exactly; elementwise work (softmax, rotations, the
-    content transport) at one FLOP per scalar operation, an estimate. The
-    pairwise low-rank products cost ``2 n^2 D r`` per one-sided metric
-    (``"mean"``: twice); with ``metric_subspace = m`` (and the trivial
-    connection) the scores are one dot product of width
-    :math:`d + m(m+1)/2 + 1` instead, so the metric adds the
-    :math:`m(m+1)/2` extra coordinates of the scores and of the padded values
-    (:math:`4 n^2 h m (m+1)/2` per side), whatever the rank. Returns
-    per-component FLOPs and ``"total"``.
+
+def attention_flops(n: int, d: int, rank: int = 0, *, kernel: str = "blockwise", metric_side: str = "key",
+                    causal_skip: bool = False) -> dict[str, float]:
+    r"""FLOPs of one attention call per (batch, head): the scores, the softmax and the mix of the values.
+
+    Matrix products (2 FLOPs per multiply-add) as the kernel executes them,
+    elementwise work at one FLOP per operation (an estimate). ``"sdpa"``, as
+    FlashAttention-2: :math:`4 n^2 d` forward, :math:`10 n^2 d` backward (it
+    recomputes the scores). ``"blockwise"``, the Riemannian operator
+    (``riemannian_attention`` with per-token factors): one product of inner
+    size :math:`d + 2` with :math:`1 + r` columns per key (``"query"`` and
+    ``"mean"``: :math:`r` more of inner size :math:`d + 1` per query), the
+    squares of the rank products, :math:`P\,[V \mid 1]`, and a backward that
+    recomputes the scores. Both are checked against
+    :class:`~torch.utils.flop_counter.FlopCounterMode` (SDPA's math path, which
+    does not recompute).
 
     Parameters
     ----------
-    config : FiberBundleConfig
-    seq_len : int, optional
-        Sequence length :math:`n` (default ``config.block_size``).
+    n : int
+        Queries and keys.
+    d : int
+        Head dimension of the queries, keys and values.
+    rank : int
+        Metric rank :math:`r` (``"blockwise"`` only; 0: :math:`G = \lambda I`).
+    kernel : {"blockwise", "sdpa"}
+    metric_side : {"key", "query", "mean"}
+        Whose factors measure a pair (``"blockwise"``).
+    causal_skip : bool
+        Count half the pairs, as a causal kernel that skips the masked half.
 
     Returns
     -------
     dict of str to float
-        ``"projections"``, ``"scores"``, ``"softmax_mix"``, ``"metric"``,
-        ``"connection"``, ``"ffn"``, ``"ffn_metric"``, ``"head"`` (0 for
-        components the mode does not have) and ``"total"``.
+        ``"matmul_fwd"``, ``"matmul_bwd"``, ``"elementwise_fwd"``,
+        ``"elementwise_bwd"``; their sum is a forward and backward pass.
     """
-    _check_config(config)
-    if seq_len is not None:
-        _pos_int(seq_len, "seq_len")
-    cfg = config
-    n = cfg.block_size if seq_len is None else seq_len
-    D, L, V, h, d = cfg.d_model, cfg.n_layers, cfg.out_dim or 0, cfg.n_heads, cfg.qk_dim
-    hd = h * d
-    r = cfg.metric_rank
-    sides = 2 if cfg.metric_side == "mean" else 1
-    out = dict.fromkeys(("projections", "scores", "softmax_mix", "metric", "connection", "ffn",
-                         "ffn_metric", "head"), 0.0)
-    conn = cfg.connection_resolved
-    out["projections"] = L * 2 * n * (3 * D * hd + hd * D)  # q, k, v, out
-    out["scores"] = L * 2 * n * n * hd  # q_i . k_j (+ norms, lower order)
-    out["softmax_mix"] = L * (5 * n * n * h + 2 * n * n * hd)  # softmax + A V
-    m = cfg.metric_subspace
-    if cfg.mode != "euclidean" and m is not None and cfg.connection_resolved == "trivial":
-        # factors B C_i in an m-dim subspace: the scores are one dot product of width d + m(m+1)/2 + 1 per side
-        # (both sides: m more), the values padded to it; the network computes C_i (m r numbers per head)
-        extra = (m * (m + 1) // 2) * sides + (m if sides == 2 else 0)
-        gain = 2 * n * D * h * r if cfg.metric_form == "gains" else 0  # the gain network
-        out["metric"] = L * (2 * n * D * h * m * r + gain + 4 * n * n * h * extra)
-    elif cfg.mode != "euclidean":
-        net = 0 if cfg.shared_metric else 2 * n * D * (h * m if m is not None else hd) * r  # the metric network
-        if cfg.metric_form == "gains" and not cfg.shared_metric and not cfg.position_metric and r:
-            net += 2 * n * D * h * r  # the gain network
-        pair = 0 if cfg.shared_metric else sides * 2 * n * n * hd * r  # U^T (q - k) for every pair
-        out["metric"] = L * (net + pair)
-    if conn in ("flat", "cumulative"):
-        out["connection"] = L * 3 * n * hd * (4 + r * sides)  # rotate q, k, v, output and U: O(n d r)
-    if conn == "cumulative":  # the rate network; the rates, their increments, running sum and phases
-        out["connection"] += L * (2 * n * D * hd // 2 + 4 * n * hd)
-    if conn in ("content", "content_source"):
-        # P^T q_i always, P v_j with transported values, P k_j for a query-side metric
-        rotations = 1 + (1 if cfg.transport_values else 0) + (1 if cfg.metric_side in ("query", "mean") else 0)
-        out["connection"] = L * (2 * n * D * hd // 2 + n * n * hd + rotations * 3 * n * n * hd)
-    if cfg.mlp:
-        out["ffn"] = L * 2 * n * 2 * D * cfg.mlp_ratio * D
-    if cfg.precondition_ffn_resolved:
-        rf = cfg.ffn_metric_rank
-        out["ffn_metric"] = L * (2 * n * D * D * rf + n * (4 * D * rf + 2 * D * rf * rf + rf ** 3))
-    out["head"] = 2 * n * D * V
-    out["total"] = sum(out.values())
-    return out
+    _pos_int(n, "n")
+    _pos_int(d, "d")
+    _pos_int(rank, "rank", 0)
+    check_choice(kernel, "kernel", ("blockwise", "sdpa"))
+    check_choice(metric_side, "metric_side", ("key", "query", "mean"))
+    check_bool(causal_skip, "causal_skip")
+    n2 = float(n) * n * (0.5 if causal_skip else 1.0)
+    if kernel == "sdpa":
+        if rank:
+            raise ValueError(f"rank must be 0 for kernel='sdpa' (a metric runs there as a wider head), got {rank}")
+        return dict(matmul_fwd=4 * n2 * d, matmul_bwd=10 * n2 * d, elementwise_fwd=5 * n2, elementwise_bwd=8 * n2)
+    rk = rank if metric_side in ("key", "mean") else 0
+    rq = rank if metric_side in ("query", "mean") else 0
+    score = 2 * n2 * ((d + 2) * (1 + rk) + rq * (d + 1))  # [q, 1, -o] . [M k, bias | c U_k]; c U_q . k
+    mix = 2 * n2 * (d + 1)  # P [V | 1]: the output and the row sum
+    # backward: the scores again, P^T dO (dV), [dO | -D] [V | 1]^T (dP) and the two products of dS per column
+    return dict(matmul_fwd=score + mix, matmul_bwd=3 * score + 2 * n2 * d + mix,
+                elementwise_fwd=n2 * (3 + 2 * (rk + rq)), elementwise_bwd=n2 * (5 + 4 * (rk + rq)))
 
 
-_COST_PARTS = ("attention", "metric", "connection", "ffn", "ffn_metric", "head")
+def _attention(config: FiberBundleConfig):
+    """The blocks' attention settings: the one place the cost model reads them from the config."""
+    return config.attention_config(0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -244,21 +233,17 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
     solve) and ``"head"``.
 
     Matrix products (2 FLOPs per multiply-add) are counted as the kernels
-    execute them: SDPA as FlashAttention-2 (the backward recomputes the
-    scores: :math:`10 n^2 hd` against :math:`4 n^2 hd` forward), for one
-    metric per head at head size :math:`d + 1` and for ``metric_subspace = m``
-    at :math:`d + m(m+1)/2 + 1` (``"mean"``: :math:`d + m + m(m+1) + 1`),
-    with the lift's per-token products; the
-    blockwise operator with its stacked products of inner size ``d + 2``
-    (``1 + r`` of them per key, ``r`` more per query for ``"query"`` and
-    ``"mean"``), its ``P [V | 1]`` and ``[dO | -D] [V | 1]^T`` products and a
-    backward that recomputes the scores; the content connection's fused
-    CPU kernel (no matrix products but the :math:`O(n d r)` ones around it),
+    execute them, the pairwise ones by
+    :func:`~riemannian_ref.models.attention_flops`: SDPA (FlashAttention-2)
+    for dot products, for one metric per head at head size :math:`d + 1` and
+    for ``metric_subspace = m`` at :math:`d + m(m+1)/2 + 1` (``"mean"``:
+    :math:`d + m + m(m+1) + 1`, with the lift's per-token products); the
+    blockwise operator for per-token factors; the content connection's fused
+    CPU kernel (elementwise but for the :math:`O(n d r)` products around it)
     or its dense einsums (``fused_content=False``); every linear layer's
-    backward twice its forward. Elementwise work
-    (softmax, squares, rotations, the transport of every pair) is an estimate
-    at one FLOP per scalar operation, reported apart: it is what a fused GPU
-    kernel hides and a CPU pays.
+    backward twice its forward. Elementwise work (softmax, squares, rotations,
+    the transport of every pair), at one FLOP per operation, is reported
+    apart: a fused GPU kernel hides it, a CPU pays it.
 
     Memory counts what a training step holds: parameters, their gradients and
     ``optimizer_states`` copies (Adam: 2), and the activations autograd keeps
@@ -299,25 +284,29 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
         (the part of the activations that grows with :math:`n^2`) and
         ``"total"``.
     """
+    _check_config(config)
     cfg = config
-    n = cfg.block_size if seq_len is None else seq_len
-    for name, val in (("seq_len", n), ("batch", batch), ("dtype_bytes", dtype_bytes)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    n = cfg.block_size if seq_len is None else _pos_int(seq_len, "seq_len")
+    _pos_int(batch, "batch")
+    _pos_int(dtype_bytes, "dtype_bytes")
+    _pos_int(optimizer_states, "optimizer_states", 0)
+    check_bool(causal_skip, "causal_skip")
+    check_bool(fused_content, "fused_content")
     D, L, h, d = cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.qk_dim
     V = cfg.out_dim or 0
     hd = h * d
     n2 = float(n) * n * (0.5 if causal_skip else 1.0)  # pairs per head
-    conn = cfg.connection_resolved
-    metric_scores = cfg.mode != "euclidean"
-    r = cfg.metric_rank if metric_scores else 0
-    per_token = metric_scores and not cfg.shared_metric and r > 0
-    rk = r if per_token and cfg.metric_side in ("key", "mean") else 0
-    rq = r if per_token and cfg.metric_side in ("query", "mean") else 0
-    m = cfg.metric_subspace if per_token else None  # factors B C_i in an m-dimensional subspace per head
+    att = _attention(cfg)
+    conn, side = att.connection, att.metric_side
+    metric_scores = att.scores == "metric"
+    r = att.rank if metric_scores else 0
+    per_token = metric_scores and att.metric != "shared" and r > 0
+    rk = r if per_token and side in ("key", "mean") else 0
+    rq = r if per_token and side in ("query", "mean") else 0
+    m = att.subspace if per_token else None  # factors B C_i in an m-dimensional subspace per head
     lifted = m is not None and conn == "trivial"  # then one dot product of width d + m(m+1)/2 + 1: SDPA
-    parts = {p: dict(matmul_fwd=0.0, matmul_bwd=0.0, elementwise_fwd=0.0, elementwise_bwd=0.0)
-             for p in _COST_PARTS}
+    tv = 1 if att.transport_values else 0
+    parts = {p: dict.fromkeys(_COST_KEYS, 0.0) for p in _COST_PARTS}
     act = dict.fromkeys(_COST_PARTS + ("norms",), 0.0)  # stored elements per sequence
     pairwise = 0.0
 
@@ -326,6 +315,11 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
         parts[part]["matmul_bwd"] += 4.0 * tokens * fan_in * fan_out
 
     a = parts["attention"]
+
+    def pairs(head, rank=0, **kw):  # one kernel's pairwise work, for every head
+        for key, v in attention_flops(n, head, rank, causal_skip=causal_skip, **kw).items():
+            a[key] += h * v
+
     for _ in range(L):
         linear("attention", D, 3 * hd)  # q, k, v
         linear("attention", hd, D)  # output
@@ -346,7 +340,6 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
             c = parts["connection"]
             a["matmul_fwd"] += 2 * n * hd * (rk + rq)  # U_kj^T k_j, U_qi^T q_i
             a["matmul_bwd"] += 4 * n * hd * (rk + rq)
-            tv = 1 if cfg.transport_values else 0
             half = n2 * hd / 2  # (query, key, pair) triples
             # per triple: the query turned (6), 4 per key-side column, 10 per query-side column, 8 for a
             # transported value; per pair: the score and the softmax
@@ -370,10 +363,9 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
             a["matmul_bwd"] += 2 * (mix + 2 * n2 * hd * (1 + rk + rq) + 2 * n * hd * (rk + rq))
             a["elementwise_fwd"] += n2 * h * (8 + 3 * (rk + rq))
             a["elementwise_bwd"] += 2 * n2 * h * (8 + 3 * (rk + rq))
-            rotations = 1 + (1 if cfg.transport_values else 0) + (1 if rq else 0)
+            rotations = 1 + tv + (1 if rq else 0)
             c["elementwise_fwd"] += n2 * hd * (1.5 + 3 * rotations)  # angles, cos, sin; 3 per rotated coordinate
             c["elementwise_bwd"] += n2 * hd * (1 + 6 * rotations)  # cos, sin again; turned gradients, angle terms
-            tv = 1 if cfg.transport_values else 0
             # the angles (hd / 2; the rotations are recomputed in the backward) and the copies of the rotated
             # queries, values and (query-side metric) keys that the batched products keep
             stored = n2 * (hd * (0.5 + 1 + tv + (1 if rq else 0)) + h * (rk + rq + 3))
@@ -384,53 +376,40 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
             # (both sides: m more for the key side's cross term), the values zero-padded to it; the lift's
             # products per token and head: C C^T (m^2 r), B^T k, B^T q and G k (d m each), P B^T k (m^2) per side
             # ("mean": B^T q and B^T k twice, G_i q_i once)
-            both = cfg.metric_side == "mean"
+            both = side == "mean"
             T = m * (m + 1) // 2
-            hs = h * (d + T + 1 + (m + T if both else 0))
+            hs = d + T + 1 + (m + T if both else 0)
             lift = 2 * n * h * ((2 if both else 1) * (m * m * r + m * m) + (5 if both else 3) * d * m)
-            a["matmul_fwd"] += 4 * n2 * hs + lift
-            a["matmul_bwd"] += 10 * n2 * hs + 2 * lift
-            a["elementwise_fwd"] += 5 * n2 * h + n * hs * 2
-            a["elementwise_bwd"] += 8 * n2 * h + n * hs * 4
-            # SDPA keeps the lifted queries and keys, the padded values, its output (head size hs / h) and the
+            pairs(hs, kernel="sdpa")
+            a["matmul_fwd"] += lift
+            a["matmul_bwd"] += 2 * lift
+            a["elementwise_fwd"] += 2 * n * h * hs
+            a["elementwise_bwd"] += 4 * n * h * hs
+            # SDPA keeps the lifted queries and keys, the padded values, its output (head size hs) and the
             # row log-sum-exp; the lift, per side, contiguous copies of q and k for the products with B, C and
             # C^T, P = C C^T, B^T k, B^T q and the two factors of each lifted p p^T; a query-side metric keeps q
             sides = 2 if both else 1
-            act["attention"] += (4 * n * hs + n * h + sides * n * h * (2 * d + 2 * m * r + m * m + 2 * m + 2 * T)
-                                 + (n * hd if cfg.metric_side in ("query", "mean") else 0))
-        elif not metric_scores or not per_token:
-            # SDPA (FlashAttention-2: the backward recomputes the scores); one metric for every pair runs there
-            # too, on the dot-product form: M q per query, (k W)^2 per key for each shared factor W
-            hs = h * (d + 1) if metric_scores else hd  # the dot-product form's head size is d + 1
-            a["matmul_fwd"] += 4 * n2 * hs
-            a["matmul_bwd"] += 10 * n2 * hs
-            a["elementwise_fwd"] += 5 * n2 * h
-            a["elementwise_bwd"] += 8 * n2 * h
+            act["attention"] += (4 * n * h * hs + n * h + sides * n * h * (2 * d + 2 * m * r + m * m + 2 * m + 2 * T)
+                                 + (n * hd if side in ("query", "mean") else 0))
+        elif not per_token:
+            # SDPA; one metric for every pair runs there too, on the dot-product form (head size d + 1):
+            # M q per query, (k W)^2 per key for each shared factor W
+            pairs(d + 1 if metric_scores else d, kernel="sdpa")
             if metric_scores:
-                rs = r * (2 if cfg.metric_side == "mean" else 1)
+                rs = r * (2 if side == "mean" else 1)
                 a["matmul_fwd"] += 6 * n * hd * rs
                 a["matmul_bwd"] += 12 * n * hd * rs
                 # SDPA keeps [M q, 1], [k, -kMk/2], the zero-padded v and its output (head size d + 1), besides
                 # M q and the products with the factors
                 act["attention"] += 4 * n * h * (d + 1) + n * hd + 2 * n * h * rs
-            if conn in ("flat", "cumulative"):  # rotate q, k, v, the factors and the output: O(n d r)
-                c = parts["connection"]
-                c["elementwise_fwd"] += 3 * n * hd * 4
-                c["elementwise_bwd"] += 6 * n * hd * 4
-                act["connection"] += n * hd  # the rotation tables (cos and sin)
-        else:  # the blockwise operator: stacked products of inner size d + 2, P [V | 1], recomputing backward
-            score = 2 * n2 * h * ((d + 2) * (1 + rk) + (rq * (d + 1) if rq else 0))
-            a["matmul_fwd"] += score + 2 * n2 * h * (d + 1)
-            a["matmul_bwd"] += (score + 2 * n2 * h * d + 2 * n2 * h * (d + 1)
-                                + 4 * n2 * h * ((d + 2) * (1 + rk) + (rq * (d + 1) if rq else 0)))
-            a["elementwise_fwd"] += n2 * h * (3 + 2 * (rk + rq))
-            a["elementwise_bwd"] += n2 * h * (5 + 4 * (rk + rq))
-            if conn in ("flat", "cumulative"):  # rotate q, k, v, the factors and the output: O(n d r)
-                c = parts["connection"]
-                c["elementwise_fwd"] += 3 * n * hd * (4 + rk + rq)
-                c["elementwise_bwd"] += 6 * n * hd * (4 + rk + rq)
-                act["connection"] += n * hd  # the rotation tables (cos and sin)
-        if per_token and cfg.metric_form == "gains" and not cfg.position_metric:
+        else:
+            pairs(d, r, metric_side=side)  # the blockwise operator
+        if conn in ("flat", "cumulative"):  # rotate q, k, v, the factors and the output: O(n d r)
+            c = parts["connection"]
+            c["elementwise_fwd"] += 3 * n * hd * (4 + rk + rq)
+            c["elementwise_bwd"] += 6 * n * hd * (4 + rk + rq)
+            act["connection"] += n * hd  # the rotation tables (cos and sin)
+        if per_token and att.metric_form == "gains" and att.metric != "position":
             # gains: a second linear map (the gain logits), Gram-Schmidt on the r columns and the scale by
             # sqrt(lam gamma); autograd keeps the raw, projected and normalised columns, norms and the gains
             width = h * (m if m is not None else d)
