@@ -31,7 +31,12 @@ CASES = {  # manifold, random's shape
 @pytest.fixture(params=sorted(CASES))
 def case(request, gen):
     M, shape = CASES[request.param]
-    return M, M.random(*shape, generator=gen, dtype=F64)
+    x = M.random(*shape, generator=gen, dtype=F64)
+    if isinstance(x, tuple):  # random pairs are balanced (A^T A = B^T B); any full-rank pair is a point
+        r = x[0].shape[-1]
+        P = torch.randn(r, r, generator=gen, dtype=F64) + 3 * torch.eye(r, dtype=F64)
+        x = (x[0] @ P, x[1] @ torch.linalg.inv(P).mT)
+    return M, x
 
 
 def _map(f, x):
@@ -615,7 +620,8 @@ _BAD = [
     (_lonely_factor, r"param group 1: pair \(parameters 0\) .*needs both factors"),
     (lambda: {"params": _pair() + _pair(r=3, seed=5)[:1]}, r"param group 1: pair \(parameters 2\)"),
     (_rank_one_pair, r"param group 1: pair \(parameters 0, 1\) .*factor A .*rank below r = 2"),
-    (lambda: {"params": [ManifoldParameter(ST.random(16, 4).bfloat16(), ST)]}, r"param group 1: .*bfloat16, expected float32 or float64: half"),
+    (lambda: {"params": [ManifoldParameter(ST.random(16, 4).bfloat16(), ST)]},
+     r"param group 1: .*bfloat16, expected float32 or float64: half"),
 ]
 
 
