@@ -18,7 +18,7 @@ at init); every arm starts from the same frames for a given seed. Arms:
 
 * ``adamw``            AdamW on every parameter, weight decay ``--wd`` on every matrix;
 * ``adamw_no_qk_decay`` the same without weight decay on the query/key frames;
-* ``stiefel``          StiefelAdam: the frames stay on St(D, d) (trust radius 0.1;
+* ``stiefel``          RiemannianAdam with the frames on St(D, d) (trust radius 0.1;
   weight decay has zero Riemannian gradient there), AdamW elsewhere, all at
   one rate ``lr``: a frame step has Frobenius length about ``lr``, while
   AdamW moves a ``D x d`` matrix by about ``lr * sqrt(D d)``;
@@ -104,13 +104,11 @@ def make_optimizer(arm: str, wd: float, betas=(0.9, 0.98), record: list | None =
             for p in frames:
                 p.requires_grad_(False)
             return torch.optim.AdamW(groups, lr=lr, betas=betas)
-        if arm == "stiefel":
-            return rr.StiefelAdam([{"params": frames, "stiefel": True, "trust_radius": 0.1}] + groups,
-                                  lr=lr, betas=betas)
-        if arm == "stiefel_scaled":
-            scale = math.sqrt(frames[0].shape[-2] * frames[0].shape[-1])  # sqrt(D d)
-            return rr.StiefelAdam([{"params": frames, "stiefel": True, "lr": lr * scale,
-                                    "trust_radius": 0.1 * scale}] + groups, lr=lr, betas=betas)
+        if arm in ("stiefel", "stiefel_scaled"):
+            rr.optim.constrain_(rr.Stiefel(), *frames)  # the frames are points of St(D, d)
+            scale = math.sqrt(frames[0].shape[-2] * frames[0].shape[-1]) if arm == "stiefel_scaled" else 1.0
+            return rr.RiemannianAdam([{"params": frames, "lr": lr * scale, "trust_radius": 0.1 * scale}] + groups,
+                                     lr=lr, betas=betas)
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
 
     return build

@@ -7,12 +7,14 @@ of ``--n-ctx``, trained by ``rr.train``. Each head's bilinear form
 :math:`W_Q^h (W_K^h)^\\top` (rank ``d`` in ``D x D``) is a point of
 
 * ``adamw``    -- nothing: AdamW on every parameter (the baseline);
-* ``embedded`` -- the embedded fixed-rank manifold (LowRankAdam, truncated-SVD
-  retraction), AdamW on the rest;
-* ``factored`` -- the factored quotient geometry (LowRankAdam, scaled gradient,
-  balanced retraction), AdamW on the rest;
-* ``stiefel``  -- the partial-isometry geometry: W_Q, W_K as Stiefel frames
-  (StiefelAdam), AdamW on the rest.
+* ``embedded`` -- the embedded fixed-rank manifold (``rr.optim.FixedRankEmbedded``,
+  truncated-SVD retraction), AdamW on the rest;
+* ``factored`` -- the factored quotient geometry (``rr.optim.FixedRankFactored``,
+  scaled gradient, balanced retraction), AdamW on the rest;
+* ``stiefel``  -- the partial-isometry geometry: W_Q, W_K as Stiefel frames,
+  AdamW on the rest;
+
+all with one ``rr.RiemannianAdam``.
 
 Every arm has one learning rate ``lr``, tuned per arm by ``rr.compare`` on the
 tuning seed (lowest final validation loss): AdamW's for the ordinary
@@ -57,11 +59,13 @@ def make_optimizer(arm: str, geo_scale: float):
         if arm == "adamw":
             return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         if arm == "stiefel":
-            return rr.StiefelAdam([{"params": frames, "stiefel": True, "lr": lr_geo, "trust_radius": 2 * lr_geo},
-                                   {"params": rest}], lr=lr)
-        # frames come as [W_Q^1, W_K^1, W_Q^2, W_K^2, ...]: pairs (A, B) with W = A B^T per head
-        return rr.LowRankAdam([{"params": frames, "geometry": arm, "lr": lr_geo, "trust_radius": 2 * lr_geo},
-                               {"params": rest}], lr=lr)
+            rr.optim.constrain_(rr.Stiefel(), *frames)
+        else:  # frames come as [W_Q^1, W_K^1, W_Q^2, W_K^2, ...]: pairs (A, B) with W = A B^T per head
+            geometry = rr.optim.FixedRankEmbedded if arm == "embedded" else rr.optim.FixedRankFactored
+            for A, B in zip(frames[0::2], frames[1::2]):
+                rr.optim.constrain_(geometry(), A, B)  # one manifold instance per pair
+        return rr.RiemannianAdam([{"params": frames, "lr": lr_geo, "trust_radius": 2 * lr_geo},
+                                  {"params": rest}], lr=lr)
 
     return build
 

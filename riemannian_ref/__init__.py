@@ -28,7 +28,7 @@ from .geometry import (LowRankMetric, MetricField, MetricNet, SubspaceFactors, d
                        shortest_path)
 from .models import (FiberBundleConfig, FiberBundleTransformer, RecallHead, count_parameters, estimate_cost,
                      match_width)
-from .optim import LowRankAdam, Stiefel, StiefelAdam
+from .optim import ManifoldParameter, RiemannianAdam, Stiefel
 from .protocol import compare
 from .training import TrainConfig, TrainResult, evaluate, train
 
@@ -49,7 +49,7 @@ __all__ = [
     "attention_path_products", "holonomy_defect", "transport_closure_defect", "metric_compatibility_defect",
     "teacher_kernel", "kernel_attention", "fit_low_rank_kernel",
     # optimisation
-    "Stiefel", "StiefelAdam", "LowRankAdam",
+    "Stiefel", "ManifoldParameter", "RiemannianAdam",
     # data and training
     "TaskData", "associative_recall", "pair_lookup", "modular_arithmetic", "counting", "char_lm",
     "TrainConfig", "TrainResult", "train", "evaluate", "compare",

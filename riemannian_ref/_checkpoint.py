@@ -315,10 +315,14 @@ def _tensors(v):
 
 def _copy_bound_to_clones(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A deep copy of ``optimizer`` whose groups hold clones of its parameters (the caller's are untouched)."""
+    from .optim.manifold import ManifoldParameter
+
     memo = {}
     for g in optimizer.param_groups:
         for p in g["params"]:
-            if id(p) not in memo:
+            if isinstance(p, ManifoldParameter):  # its copy keeps the manifold (a factor pair's stays shared)
+                copy.deepcopy(p, memo)
+            elif id(p) not in memo:
                 memo[id(p)] = p.detach().clone().requires_grad_(p.requires_grad)
     return copy.deepcopy(optimizer, memo)
 

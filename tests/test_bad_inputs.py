@@ -435,93 +435,8 @@ def test_diagnostics_compute_half_precision_in_float32(gen, dtype):
 
 # ============================================================ 6. optimisers
 
-def test_stiefel_adam_eps0_with_a_zero_gradient_takes_a_zero_step(gen):
-    W = nn.Parameter(rr.Stiefel().random(6, 3, generator=gen, dtype=F64))
-    opt = rr.StiefelAdam([{"params": [W], "stiefel": True}], lr=0.1, eps=0.0)
-    W0 = W.detach().clone()
-    W.grad = torch.zeros_like(W)
-    opt.step()
-    assert torch.allclose(W, W0, atol=1e-12)
-    assert torch.isfinite(opt.state[W]["exp_avg"]).all() and torch.equal(opt.state[W]["exp_avg_sq"], torch.zeros(()))
-    W.grad = torch.randn(W.shape, generator=gen, dtype=F64)
-    opt.step()
-    assert not torch.allclose(W, W0) and rr.Stiefel().check_point(W.detach())[0]
-
-
-def _same(a, b) -> bool:
-    """Exact equality of nested state (tensors compared entry by entry)."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-@pytest.mark.parametrize("which", ["stiefel", "plain", "low_rank"])
-def test_a_nan_gradient_entry_raises_and_changes_nothing(gen, which):
-    if which == "low_rank":
-        A = nn.Parameter(torch.randn(5, 2, generator=gen, dtype=F64))
-        B = nn.Parameter(torch.randn(4, 2, generator=gen, dtype=F64))
-        params = [A, B]
-        opt = rr.LowRankAdam([{"params": params, "geometry": "embedded"}], lr=0.05)
-    else:
-        W = nn.Parameter(rr.Stiefel().random(6, 3, generator=gen, dtype=F64))
-        params = [W, nn.Parameter(torch.randn(4, generator=gen, dtype=F64))]
-        opt = rr.StiefelAdam([{"params": params[:1], "stiefel": True}, {"params": params[1:]}], lr=0.05)
-    twin, twin_params = copy.deepcopy((opt, params))  # an optimiser deep-copies (its geometry is on the class)
-
-    def grads(poison):
-        g = [torch.randn(p.shape, generator=gen, dtype=F64) for p in params]
-        if poison:
-            g[0 if which != "plain" else 1].view(-1)[0] = float("nan")
-        return g
-
-    def step_both(g):
-        for ps, o in ((params, opt), (twin_params, twin)):
-            for p, gi in zip(ps, g):
-                p.grad = gi.clone()
-            o.step()
-
-    step_both(grads(False))  # one good step on both
-    state = copy.deepcopy(opt.state_dict())
-    values = [p.detach().clone() for p in params]
-    for p, g in zip(params, grads(True)):
-        p.grad = g
-    with pytest.raises(FloatingPointError, match=r"gradient of parameter \d of group \d .* non-finite"):
-        opt.step()
-    assert all(torch.equal(p, v) for p, v in zip(params, values))
-    assert _same(opt.state_dict(), state)  # the moments are not poisoned
-    step_both(grads(False))  # later steps behave as if the bad one never came
-    assert all(torch.equal(a, b) for a, b in zip(params, twin_params))
-
-
-@pytest.mark.parametrize("geometry", ["embedded", "factored"])
-def test_low_rank_adam_refuses_a_zero_factor(gen, geometry):
-    A = nn.Parameter(torch.randn(5, 2, generator=gen, dtype=F64))
-    B = nn.Parameter(torch.zeros(4, 2, dtype=F64))  # LoRA's init: W = 0 is not a rank-2 point
-    with pytest.raises(ValueError, match="factor B of pair 0 .* rank below r = 2"):
-        rr.LowRankAdam([{"params": [A, B], "geometry": geometry}])
-    B.data.copy_(torch.randn(4, 2, generator=gen, dtype=F64))
-    opt = rr.LowRankAdam([{"params": [A, B], "geometry": geometry}])
-    with torch.no_grad():
-        A[:, 1] = A[:, 0]  # the pair drifts to rank 1 between steps
-    A.grad, B.grad = torch.ones_like(A), torch.ones_like(B)
-    values = (A.detach().clone(), B.detach().clone())
-    with pytest.raises(ValueError, match="factor A of pair 0 .* rank below r = 2"):
-        opt.step()
-    assert torch.equal(A, values[0]) and torch.equal(B, values[1]) and not opt.state
-
-
-@pytest.mark.parametrize("kw,name", [(dict(lr=-1.0), "lr"), (dict(lr="fast"), "lr"), (dict(eps=None), "eps"),
-                                     (dict(betas=0.9), "betas"), (dict(betas=(0.9, 1.0)), r"betas\[1\]"),
-                                     (dict(weight_decay=float("nan")), "weight_decay"),
-                                     (dict(trust_radius=0.0), "trust_radius")])
-@pytest.mark.parametrize("cls", [rr.StiefelAdam, rr.LowRankAdam])
-def test_optimiser_hyper_parameters_refuse_by_name(cls, kw, name):
-    with pytest.raises(ValueError, match=name):
-        cls([nn.Parameter(torch.zeros(3))], **kw)
+# The optimiser's refusals (NaN gradients, factor pairs of low rank, hyper-parameters) are tested with the
+# manifold suite in tests/test_optim_manifolds.py.
 
 
 # ============================================================ 7. LowRankMetric's cache
@@ -641,8 +556,7 @@ def _sweep_targets():
     cfg = rr.FiberBundleConfig(vocab_size=16, block_size=8, d_model=16, n_heads=2, n_layers=1, mlp_ratio=2)
     m = rr.FiberBundleTransformer(cfg)
     td = data.associative_recall(4, vocab_size=16, n_pairs=2, seq_len=8, generator=g)
-    P = nn.Parameter(rr.Stiefel().random(5, 3, generator=g))
-    A_, B_ = nn.Parameter(torch.randn(5, 2, generator=g)), nn.Parameter(torch.randn(4, 2, generator=g))
+    P = rr.ManifoldParameter(rr.Stiefel().random(5, 3, generator=g), rr.Stiefel())
     tri, pairs = sample_triangles(6, 4, generator=g), sample_pairs(6, 4, generator=g)
     rates = torch.rand(2, 6, 2, generator=g, dtype=F64)
     attn = dict(query=Q, key=Q.clone(), value=Q.clone(), attn_mask=torch.zeros(6, 6, dtype=F64), is_causal=False,
@@ -706,10 +620,10 @@ def _sweep_targets():
         ("kernel_attention", rr.kernel_attention, dict(Xq=T(3, 2, 4), Xc=T(3, 5, 4), W=T(4, 4))),
         ("Stiefel", rr.Stiefel, dict(atol=1e-6)),
         ("Stiefel.retr", rr.Stiefel().retr, dict(x=rr.Stiefel().random(5, 3, dtype=F64), u=T(5, 3))),
-        ("StiefelAdam", lambda **kw: rr.StiefelAdam([{"params": [P], "stiefel": True}], **kw),
-         dict(lr=1e-3, eps=1e-8, weight_decay=0.0, trust_radius=1.0, betas=(0.9, 0.99))),
-        ("LowRankAdam", lambda **kw: rr.LowRankAdam([{"params": [A_, B_], "geometry": "embedded"}], **kw),
-         dict(lr=1e-3, eps=1e-8, weight_decay=0.0, trust_radius=1.0, betas=(0.9, 0.99))),
+        ("ManifoldParameter", rr.ManifoldParameter, dict(data=rr.Stiefel().random(5, 3, dtype=F64),
+                                                        manifold=rr.Stiefel(), requires_grad=True)),
+        ("RiemannianAdam", lambda **kw: rr.RiemannianAdam([P], **kw),
+         dict(lr=1e-3, eps=1e-8, weight_decay=0.0, trust_radius=1.0, betas=(0.9, 0.99), amsgrad=False)),
         ("TaskData", rr.TaskData, dict(x=td.x, y=td.y, mask=td.mask, vocab_size=16, n_classes=None)),
         ("associative_recall", rr.associative_recall, dict(n_examples=4, vocab_size=16, n_pairs=2, seq_len=8)),
         ("pair_lookup", rr.pair_lookup, dict(n_examples=4, n_keys=8, n_values=4, n_pairs=2)),

@@ -58,10 +58,13 @@ def test_stiefel_scaled_steps_sqrt_Dd_longer(script):
         frames = model.qk_frame_parameters()
         start = [f.detach().clone() for f in frames]
         opt = script.make_optimizer(arm, wd=1.0)(model, 1e-3)
-        group = next(g for g in opt.param_groups if g.get("stiefel"))
+        on_stiefel = [isinstance(g["params"][0], rr.ManifoldParameter) for g in opt.param_groups]
+        assert on_stiefel == [True, False, False]
+        assert all(isinstance(p.manifold, rr.Stiefel) for p in opt.param_groups[0]["params"])
+        group = opt.param_groups[0]
         scale = math.sqrt(16 * 4) if arm == "stiefel_scaled" else 1.0
         assert group["lr"] == pytest.approx(1e-3 * scale) and group["trust_radius"] == pytest.approx(0.1 * scale)
-        assert all(g["lr"] == 1e-3 for g in opt.param_groups if not g.get("stiefel"))
+        assert all(g["lr"] == 1e-3 for g in opt.param_groups[1:])
         for f in frames:
             f.grad = torch.randn(f.shape, generator=torch.Generator().manual_seed(2))
         opt.step()

@@ -141,7 +141,7 @@ def test_masked_loss_upcasts_half_precision_only(gen):
 
 
 def test_caller_built_optimizer_keeps_each_groups_peak_rate_under_the_schedule():
-    """StiefelAdam with the frames at their own rate: the schedule scales each group's own peak."""
+    """RiemannianAdam with the frames on Stiefel at their own rate: the schedule scales each group's own peak."""
     tr, va = _recall()
     torch.manual_seed(0)
     model = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(mode="euclidean", qk_init="orthonormal",
@@ -149,8 +149,9 @@ def test_caller_built_optimizer_keeps_each_groups_peak_rate_under_the_schedule()
     frames = model.qk_frame_parameters()
     ids = {id(p) for p in frames}
     rest = [p for p in model.parameters() if id(p) not in ids]
-    opt = rr.StiefelAdam([{"params": frames, "stiefel": True, "lr": 2e-2},
-                          {"params": rest, "lr": 5e-3, "weight_decay": 0.1}], lr=1e-4)
+    rr.optim.constrain_(rr.Stiefel(), *frames)
+    opt = rr.RiemannianAdam([{"params": frames, "lr": 2e-2},
+                             {"params": rest, "lr": 5e-3, "weight_decay": 0.1}], lr=1e-4)
     seen = []
     step = opt.step
 

@@ -331,16 +331,18 @@ def test_package_optimisers_state_is_checked_against_their_own_layout(tmp_path, 
         torch.manual_seed(0)
         m = Tiny()
         if kind == "stiefel":
-            frame = nn.Parameter(rr.Stiefel().random(8, 3, generator=torch.Generator().manual_seed(0)))
+            frame = rr.ManifoldParameter(rr.Stiefel().random(8, 3, generator=torch.Generator().manual_seed(0)),
+                                         rr.Stiefel())
             m.frame = frame  # a Stiefel frame the model uses
             m.forward = lambda idx, m=m: m.head(torch.tanh(m.emb(idx) @ m.frame @ m.frame.T))
-            opt = rr.StiefelAdam([{"params": [m.frame], "stiefel": True},
-                                  {"params": [m.emb.weight, m.head.weight, m.head.bias]}], lr=1e-2)
+            opt = rr.RiemannianAdam([{"params": [m.frame]},
+                                     {"params": [m.emb.weight, m.head.weight, m.head.bias]}], lr=1e-2)
         else:
             m.A, m.B = nn.Parameter(0.1 * torch.randn(8, 2)), nn.Parameter(0.1 * torch.randn(8, 2))
+            rr.optim.constrain_(rr.optim.FixedRankEmbedded(), m.A, m.B)
             m.forward = lambda idx, m=m: m.head(torch.tanh(m.emb(idx) @ (torch.eye(8) + m.A @ m.B.T)))
-            opt = rr.LowRankAdam([{"params": [m.A, m.B], "geometry": "embedded"},
-                                  {"params": [m.emb.weight, m.head.weight, m.head.bias]}], lr=1e-2)
+            opt = rr.RiemannianAdam([{"params": [m.A, m.B]},
+                                     {"params": [m.emb.weight, m.head.weight, m.head.bias]}], lr=1e-2)
         return m, opt
 
     path = tmp_path / "ck.pt"
@@ -352,10 +354,10 @@ def test_package_optimisers_state_is_checked_against_their_own_layout(tmp_path, 
     st = blob["optimizer"]["state"]
     if kind == "stiefel":  # one second moment per frame: a per-entry one is refused
         st[0]["exp_avg_sq"] = torch.zeros(8, 3)
-        want = r"state of parameter 0, key 'exp_avg_sq',.*shape \(8, 3\).*keeps a tensor of shape \(\)"
+        want = r"state of parameter 0, key 'exp_avg_sq',.*shape \(8, 3\).*keeps a tensor of shape \(1, 1\)"
     else:  # the embedded momentum is one m x n matrix
-        st[0]["exp_avg"] = [torch.zeros(8, 2)]
-        want = r"state of parameter 0, key 'exp_avg',.*\[a tensor of shape \(8, 2\)\].*\(8, 8\)"
+        st[0]["exp_avg"] = torch.zeros(8, 2)
+        want = r"state of parameter 0, key 'exp_avg',.*shape \(8, 2\).*keeps a tensor of shape \(8, 8\)"
     bad = tmp_path / "bad.pt"
     torch.save(blob, bad)
     m3, opt3 = build()

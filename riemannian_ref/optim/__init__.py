@@ -1,14 +1,16 @@
-"""Riemannian optimisation of attention weights: matrix manifolds (geoopt's verbs) and Adam on them.
+"""Riemannian optimisation: one manifold interface (geoopt's verbs) and one Adam over any manifold.
 
-- :mod:`~riemannian_ref.optim.manifolds`: the Stiefel manifold and partial isometries.
-- :mod:`~riemannian_ref.optim.low_rank`: fixed-rank matrices, embedded and factored.
-- :mod:`~riemannian_ref.optim.adam`: :class:`StiefelAdam`, :class:`LowRankAdam`.
+- :mod:`~riemannian_ref.optim.manifold`: :class:`Manifold`, :class:`Euclidean`,
+  :class:`ManifoldParameter` and :func:`constrain_` (tag a model's parameters).
+- :mod:`~riemannian_ref.optim.stiefel`: :class:`Stiefel` (orthonormal frames).
+- :mod:`~riemannian_ref.optim.low_rank`: rank-``r`` matrices on factor pairs,
+  :class:`FixedRankEmbedded` and :class:`FixedRankFactored`.
+- :mod:`~riemannian_ref.optim.adam`: :class:`RiemannianAdam`.
 """
-from .adam import *  # noqa: F401,F403
-from .adam import __all__ as _adam
-from .low_rank import *  # noqa: F401,F403
-from .low_rank import __all__ as _low_rank
-from .manifolds import *  # noqa: F401,F403
-from .manifolds import __all__ as _manifolds
+from .adam import RiemannianAdam
+from .low_rank import FixedRankEmbedded, FixedRankFactored
+from .manifold import Euclidean, Manifold, ManifoldParameter, constrain_
+from .stiefel import Stiefel
 
-__all__ = [*_manifolds, *_low_rank, *_adam]
+__all__ = ["Manifold", "Euclidean", "Stiefel", "FixedRankEmbedded", "FixedRankFactored",
+           "ManifoldParameter", "constrain_", "RiemannianAdam"]
