@@ -72,8 +72,8 @@ class Arm:
         just before calling it.
     optimizer : callable ``(model, lr) -> torch.optim.Optimizer``, optional
         Builds the optimiser with peak rate ``lr`` (for example a
-        :class:`~riemannian_ref.optim.adam.StiefelAdam` with its own groups,
-        or AdamW with frozen query/key frames); None: the AdamW (or SGD) of
+        :class:`~riemannian_ref.RiemannianAdam` with frames tagged by
+        :func:`~riemannian_ref.optim.constrain_`, or AdamW with frozen query/key frames); None: the AdamW (or SGD) of
         the :class:`~riemannian_ref.training.TrainConfig`.
     lrs : sequence of float, optional
         This arm's learning-rate grid; None: the ``lrs`` of :func:`compare`.
