@@ -158,8 +158,9 @@ def test_the_all_zero_mask_shortcut_is_taken_on_cpu_only(gen, monkeypatch):
     pad = torch.zeros(2, 1, 1, 7, dtype=F64)
     pad[0, ..., 5:] = float("-inf")
     rows = []
-    apply = _blockwise._RiemannianAttentionFn.apply
-    monkeypatch.setattr(_blockwise._RiemannianAttentionFn, "apply", lambda *a: rows.append(a[-1]) or apply(*a))
+    real = functional.blockwise_operator
+    monkeypatch.setattr(functional, "blockwise_operator",
+                        lambda *a, **kw: rows.append(kw["mask_rows"]) or real(*a, **kw))
     ref = rr.riemannian_attention_reference(q, k, v, pad, 0.0, True, U_k=Uk)
     cpu = rr.riemannian_attention(q, k, v, pad, 0.0, True, U_k=Uk)
     monkeypatch.setattr(functional, "reading_syncs", lambda t: True)
