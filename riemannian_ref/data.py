@@ -44,12 +44,8 @@ __all__ = [
     "modular_arithmetic",
     "counting",
     "char_lm",
-    "stdlib_docstring_text",
-    "python_reference_topics",
-    "STDLIB_TEXT_MODULES",
-    "CORPORA",
-    "CHAR_LM_SPLITS",
     "make_task",
+    "stdlib_docstring_text",
 ]
 
 

@@ -32,7 +32,7 @@ from torch import Tensor
 from ..geometry.scores import scores_unchecked
 from ._validate import check_attention_inputs
 
-__all__ = ["riemannian_attention_reference", "blockwise_attention", "masked_softmax", "additive_mask"]
+__all__ = ["riemannian_attention_reference", "blockwise_attention"]
 
 
 def additive_mask(attn_mask: Tensor | None, is_causal: bool, n_q: int, n_k: int, like: Tensor) -> Tensor | None:

@@ -20,15 +20,7 @@ from .._checks import check_int, check_same, check_tensor, shape_str
 from ._paths import check_metric, check_points, gauss_legendre, metric_batch
 from .metric import LowRankMetric
 
-__all__ = [
-    "MetricField",
-    "path_length",
-    "path_energy",
-    "constant_speed",
-    "straight_path",
-    "shortest_path",
-    "ShortestPath",
-]
+__all__ = ["MetricField", "shortest_path"]
 
 _WEIGHTS = ("gaussian", "inverse_distance", "segment")
 

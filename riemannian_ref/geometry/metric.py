@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from .._checks import F32_MAX, as_positive, broadcast_batch, check_bool, check_same, check_tensor, shape_str
 
-__all__ = ["LowRankMetric", "MetricNet", "SubspaceFactors", "LAM_MIN", "lam_from_raw", "raw_from_lam"]
+__all__ = ["LowRankMetric", "MetricNet", "SubspaceFactors"]
 
 #: Default floor :math:`\lambda_{\min}` of every learned isotropic part: with
 #: :math:`\lambda = \mathrm{softplus}(\rho) + \lambda_{\min}` the metric

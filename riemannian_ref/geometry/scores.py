@@ -26,7 +26,7 @@ from torch import Tensor
 
 from .._checks import METRIC_SIDES, check_score_inputs, shape_str
 
-__all__ = ["riemannian_scores", "dot_product_form", "METRIC_SIDES"]
+__all__ = ["riemannian_scores", "dot_product_form"]
 
 
 def _lam_scores(lam: Tensor) -> Tensor:

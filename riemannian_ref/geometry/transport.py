@@ -70,17 +70,7 @@ from torch import Tensor
 
 from .._checks import broadcast_batch, check_same, check_tensor, shape_str
 
-__all__ = [
-    "CONNECTIONS",
-    "rotary_frequencies",
-    "rotate_pairs",
-    "block_rotation_matrix",
-    "transport_angles",
-    "cumulative_phases",
-    "connection_rates",
-    "edge_rule",
-    "compatible_transport",
-]
+__all__: list[str] = []  # reached as riemannian_ref.geometry.transport.NAME (chapter 7); none re-exported
 
 #: The accepted values of ``connection``: no transport, rotary (flat), content-dependent rates
 #: read from both endpoints of an edge (inverse-consistent), or from its source only, or
