@@ -18,12 +18,15 @@ the package has one version.
     build with ``-W -n`` then checks that those docstrings parse.
 (c) ``riemannian_ref.__version__`` is the installed distribution's version
     and the one in CITATION.cff, and setuptools reads it from there.
+(d) Every ``riemannian_ref.x.y`` or ``rr.x.y`` written in the package's
+    docstrings and comments, the scripts and the book resolves.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
 import inspect
+import json
 import pkgutil
 import re
 import sys
@@ -277,6 +280,57 @@ def test_the_docstring_rule_catches_a_missing_parameters_section():
     assert _problems("fake", mod) == [
         "bare: no numpydoc 'Parameters' section (or a :func: pointer to the function that documents the arguments)",
         "nothing: no docstring"]
+
+
+# ------------------------------------------------------------------ dotted names in the text
+
+DOTTED = re.compile(r"(?<![\w.])(?:riemannian_ref|rr)((?:\.[A-Za-z_]\w*)+)")
+PLACEHOLDERS = {"NAME", "SUB", "SUBPACKAGE", "MODULE", "X", "Y"}  # riemannian_ref.SUB.NAME in prose
+
+
+def _resolves(parts: list[str]) -> bool:
+    """Whether riemannian_ref.<parts> names a module, or an attribute of the longest module prefix."""
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(["riemannian_ref", *parts[:i]]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return hasattr(riemannian_ref, parts[0])
+
+
+def _texts():
+    """(file, text) of the package's source, the scripts and the book (a notebook's cells, not its outputs)."""
+    for pattern in ("riemannian_ref/**/*.py", "benchmarks/*.py", "experiments/*.py", "examples/*.py",
+                    "chapters/*.md", "chapters/api/*.md", "README.md", "CONTRIBUTING.md"):
+        for path in sorted(ROOT.glob(pattern)):
+            yield path, path.read_text(encoding="utf-8")
+    for path in sorted(ROOT.glob("chapters/*.ipynb")):
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+        yield path, "\n".join("".join(cell["source"]) for cell in cells)
+
+
+def test_dotted_names_in_docstrings_comments_and_the_book_resolve():
+    """``riemannian_ref.x.y`` and ``rr.x.y`` wherever they are written name something that exists: no reference to
+    a module from before a redesign, or to a helper a subpackage no longer publishes."""
+    problems = []
+    for path, text in _texts():
+        for m in DOTTED.finditer(text):
+            parts = m.group(1)[1:].split(".")
+            if not PLACEHOLDERS & set(parts) and not _resolves(parts):
+                line = text.count("\n", 0, m.start()) + 1
+                problems.append(f"{path.relative_to(ROOT)}:{line}: {m.group(0)}")
+    assert not problems, "names that resolve to nothing:\n" + "\n".join(problems)
+
+
+def test_the_dotted_name_rule_catches_a_stale_module():
+    assert _resolves(["geometry", "scores", "riemannian_scores"]) and _resolves(["geometry", "transport"])
+    assert not _resolves(["scores"]) and not _resolves(["manifolds"])
+    assert not _resolves(["geometry", "rotate_pairs"])  # a helper reached through its module only
 
 
 # ------------------------------------------------------------------ one version

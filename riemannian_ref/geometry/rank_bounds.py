@@ -2,7 +2,7 @@ r"""Rank bounds of Riemannian score matrices: Theorem 1 made checkable.
 
 The score of query :math:`i` and key :math:`j` is
 :math:`s_{ij} = -\frac{\text{scale}}{2}(q_i-k_j)^\top \bar G_{ij}(q_i-k_j)`
-(see :mod:`riemannian_ref.scores`). Expanding the square writes the whole
+(see :mod:`riemannian_ref.geometry.scores`). Expanding the square writes the whole
 matrix :math:`S` as a product :math:`S = L R^\top` with an inner dimension
 :math:`m` that depends only on :math:`d` and on how the metric varies:
 
