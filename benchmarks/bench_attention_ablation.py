@@ -19,8 +19,9 @@ per-round ratios is reported:
   template and fuse the elementwise passes into it); ``[4, 128, 512]``
   scores, d = 64, r = 1 and 4, one thread (``--no-compile`` skips it);
 * the operator itself (B = 4, h = 4, n = 1024, d = 64, key side, r = 1 and 4,
-  forward and forward+backward, one thread by default), with one switch of
-  ``riemannian_ref.attention._blockwise`` flipped: the online softmax
+  forward and forward+backward, one thread by default), called through its
+  internal entry ``_blockwise.blockwise_operator`` with one field of its
+  ``options`` (``LoopOptions``) changed: the online softmax
   (running maximum, rescaling) against the fixed offset; the row sum as its
   own pass against ``P @ [V | 1]``; the whole batch in every tile against
   chunks of about one batch element per thread; multi-threaded kernels
@@ -31,6 +32,7 @@ Writes ``results/bench_attention_ablation.{md,json}``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -70,12 +72,23 @@ def compare(slow, fast, reps: int, min_time: float) -> dict:
                 speedup_rounds=ratios)
 
 
-SWITCHES = [  # (what, attribute, alternative value, the operator's value)
-    ("online softmax vs fixed offset", "_FIXED_OFFSET", False, True),
-    ("row sum as its own pass vs P @ [V | 1]", "_ROWSUM_IN_PRODUCT", False, True),
-    ("whole batch per tile vs chunks of the batch", "_CHUNK_TILE", 0, bw._CHUNK_TILE),
-    ("multi-threaded kernels vs threads over chunks", "_THREADS_OVER_CHUNKS", False, True),
+SWITCHES = [  # (what, field of bw.LoopOptions, alternative value; the operator's value is the default)
+    ("online softmax vs fixed offset", "fixed_offset", False),
+    ("row sum as its own pass vs P @ [V | 1]", "rowsum_in_product", False),
+    ("whole batch per tile vs chunks of the batch", "chunk_tile", 0),
+    ("multi-threaded kernels vs threads over chunks", "threads_over_chunks", False),
 ]
+
+
+def operator_call(q, k, v, Uk, options):
+    """``rr.riemannian_attention(q, k, v, U_k=Uk)`` (key side, lam = 1, no mask) run with loop ``options``."""
+    B, h, n, d = q.shape
+    scale = 1.0 / math.sqrt(d)
+    out = bw.blockwise_operator(q.reshape(B * h, n, d), k.reshape(B * h, n, d), v.reshape(B * h, n, -1),
+                                q.new_ones(B * h), W=None, Uk=Uk.reshape(B * h, n, d, -1), Uq=None, mask=None,
+                                causal=False, scale=scale, ck=math.sqrt(scale / 2), cq=math.sqrt(scale / 2),
+                                blocks=bw.block_sizes_for(n, n, 1 + Uk.shape[-1]), batch=(B, h), options=options)
+    return out.view(B, h, n, -1)
 
 
 def compiled_tile_rows(args, gen):
@@ -120,19 +133,20 @@ def operator_rows(args, gen):
             q, k, v, _, Uk = make_inputs(4, 4, 1024, 64, r, "key", grad=True)
             gout = torch.randn(q.shape, generator=gen)
             for backward in (False, True):
-                def call(backward=backward, q=q, k=k, v=v, Uk=Uk, gout=gout):
+                def call(options, backward=backward, q=q, k=k, v=v, Uk=Uk, gout=gout):
                     with torch.set_grad_enabled(backward):
-                        out = rr.riemannian_attention(q, k, v, U_k=Uk)
+                        out = operator_call(q, k, v, Uk, options)
                         if backward:
                             out.backward(gout)
                         return out.detach()
-                for what, attr, alt, ours in SWITCHES:
+                with torch.no_grad():  # the entry computes what the public function does
+                    torch.testing.assert_close(call(bw.DEFAULT_LOOP, False),
+                                               rr.riemannian_attention(q, k, v, U_k=Uk), rtol=0, atol=0)
+                for what, attr, alt in SWITCHES:
+                    ours = getattr(bw.DEFAULT_LOOP, attr)
+
                     def with_(value, attr=attr):
-                        setattr(bw, attr, value)
-                        try:
-                            return call()
-                        finally:
-                            setattr(bw, attr, ours)
+                        return call(dataclasses.replace(bw.DEFAULT_LOOP, **{attr: value}))
                     torch.testing.assert_close(with_(alt), with_(ours), rtol=1e-4, atol=1e-5)
                     rows.append(dict(what=f"operator, {what}: r = {r}, {'fwd+bwd' if backward else 'fwd'}, "
                                      f"{threads} thread(s)", switch=attr, r=r, threads=threads,

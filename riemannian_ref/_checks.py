@@ -8,6 +8,7 @@ silently or failing deep inside a matmul.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Callable, Iterable, Sequence
 
@@ -119,6 +120,9 @@ def sync_checks() -> bool:
 
 
 # ------------------------------------------------------------ scalar arguments and config fields
+F32_MAX = float(torch.finfo(torch.float32).max)  # bound of a config value that becomes a float32 parameter
+
+
 def check_int(v, name: str, minimum: int = 1, maximum: int | None = None) -> int:
     """An int (not a bool) in ``[minimum, maximum]``."""
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (maximum is not None and v > maximum):
@@ -153,3 +157,121 @@ def check_bool(v, name: str) -> bool:
     if not isinstance(v, bool):
         raise ValueError(f"{name} must be a bool, got {v!r}")
     return v
+
+
+# ------------------------------------------------------------ scores and attention (geometry and attention)
+#: The accepted values of ``metric_side``: whose metric :math:`\bar G_{ij}` a
+#: score uses, the key's :math:`G_j`, the query's :math:`G_i` or their mean.
+METRIC_SIDES = ("key", "query", "mean")
+
+
+def _check_factor(U: Tensor, name: str, x: Tensor, x_name: str) -> bool:
+    """Validate a metric factor against its side's vectors; True if per-token."""
+    U = check_tensor(U, name, min_dim=2)
+    check_same(x, x_name, [(name, U)])
+    d = x.shape[-1]
+    n = x.shape[-2]
+    if U.dim() == x.dim() + 1:
+        if U.shape[-3] != n or U.shape[-2] != d:
+            raise ValueError(
+                f"{name} must have shape [..., n, d, r] = [..., {n}, {d}, r] to match "
+                f"{x_name} {shape_str(x)} (or [..., d, r] for a shared metric), got {shape_str(U)}"
+            )
+        broadcast_batch({f"{name}.shape[:-3]": U.shape[:-3], f"{x_name}.shape[:-2]": x.shape[:-2]})
+        return True
+    if U.dim() == x.dim():
+        if U.shape[-2] != d:
+            raise ValueError(
+                f"{name} (shared metric) must have shape [..., d, r] with d = {d}, got {shape_str(U)}"
+            )
+        broadcast_batch({f"{name}.shape[:-2]": U.shape[:-2], f"{x_name}.shape[:-2]": x.shape[:-2]})
+        return False
+    raise ValueError(
+        f"{name} must have {x.dim() + 1} dims ([..., n, d, r], per-token) or {x.dim()} dims "
+        f"([..., d, r], shared) to match {x_name} {shape_str(x)}, got {shape_str(U)}"
+    )
+
+
+def check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale, names=("q", "k")):
+    r"""Validate the common arguments of scores and attention; return (lam, scale, per_q, per_k).
+
+    Raises ``ValueError`` naming the argument on any inconsistency.
+
+    Parameters
+    ----------
+    q, k : Tensor, shape [..., n_q, d] and [..., n_k, d]
+        Queries and keys; batch dimensions must broadcast.
+    U_q, U_k : Tensor or None, shape [..., n, d, r] (per token) or [..., d, r] (shared)
+        Metric factors of the side(s) that ``metric_side`` uses (None there
+        means no low-rank part, :math:`G = \lambda I`); None for a side it
+        does not use.
+    lam : float or Tensor, shape broadcastable to ``q.shape[:-2]``
+        Isotropic part :math:`\lambda > 0`.
+    metric_side : {"key", "query", "mean"}
+        See :data:`METRIC_SIDES`.
+    scale : float or None
+        Positive score scale; ``None`` means :math:`1/\sqrt d`.
+    names : (str, str)
+        How error messages call the queries and keys (the caller's argument names).
+
+    Returns
+    -------
+    lam : Tensor, shape broadcastable to ``q.shape[:-2]``
+        ``lam`` as a positive tensor on ``q``'s device and dtype.
+    scale : float
+    per_q, per_k : bool
+        Whether ``U_q`` / ``U_k`` are per-token (``[..., n, d, r]``).
+    """
+    qn, kn = names
+    q = check_tensor(q, qn, min_dim=2)
+    k = check_tensor(k, kn, min_dim=2)
+    check_same(q, qn, [(kn, k)])
+    if q.dim() != k.dim():
+        raise ValueError(f"{qn} and {kn} must have the same number of dims, got {qn} {shape_str(q)}, "
+                         f"{kn} {shape_str(k)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{qn} and {kn} must share the head dimension d, got {qn} {shape_str(q)}, "
+                         f"{kn} {shape_str(k)}")
+    broadcast_batch({f"{qn}.shape[:-2]": q.shape[:-2], f"{kn}.shape[:-2]": k.shape[:-2]})
+    if metric_side not in METRIC_SIDES:
+        raise ValueError(f"metric_side must be one of {METRIC_SIDES}, got {metric_side!r}")
+    need_q = metric_side in ("query", "mean")
+    need_k = metric_side in ("key", "mean")
+    if not need_k and U_k is not None:
+        raise ValueError(f"U_k is not used with metric_side={metric_side!r}; pass None or choose 'key'/'mean'")
+    if not need_q and U_q is not None:
+        raise ValueError(f"U_q is not used with metric_side={metric_side!r}; pass None or choose 'query'/'mean'")
+    per_q = _check_factor(U_q, "U_q", q, qn) if U_q is not None else False
+    per_k = _check_factor(U_k, "U_k", k, kn) if U_k is not None else False
+    if U_q is not None and U_k is not None and U_q.shape[-1] != U_k.shape[-1]:
+        # allowed mathematically, but almost always a bug in the caller
+        raise ValueError(
+            f"U_q and U_k must have the same rank r for metric_side='mean', got "
+            f"{U_q.shape[-1]} and {U_k.shape[-1]}"
+        )
+    lam_t = as_positive(lam, "lam", q)
+    broadcast_batch({"lam": lam_t.shape, f"{qn}.shape[:-2]": q.shape[:-2]})
+    return lam_t, check_scale(scale, q.shape[-1]), per_q, per_k
+
+
+def check_scale(scale, d: int) -> float:
+    r"""``scale`` as a Python float: ``None`` gives :math:`1/\sqrt d` (1 when ``d = 0``).
+
+    Accepts what ``scaled_dot_product_attention`` accepts as a real number: a
+    Python or NumPy int or float, or a 0-d real tensor without gradient (read
+    on the host, as SDPA reads it); the value must be finite and ``> 0``.
+    With ``d = 0`` every distance is 0, whatever the scale: the weights are
+    uniform over the visible keys, SDPA's result there.
+    """
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d > 0 else 1.0
+    v = scale
+    if isinstance(v, Tensor):
+        if v.dim() != 0 or v.requires_grad or v.is_complex() or v.dtype == torch.bool or v.device.type == "meta":
+            raise ValueError(f"scale must be a finite positive number or None (a tensor: 0-d, real, on a device "
+                             f"with values, without gradient), got a tensor of shape {shape_str(v)}, dtype "
+                             f"{v.dtype} on {v.device}" + (" that requires grad" if v.requires_grad else ""))
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v > 0):
+        raise ValueError(f"scale must be a finite positive number or None, got {scale!r}")
+    return float(v)

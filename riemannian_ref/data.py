@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ._checks import check_int
+
 __all__ = [
     "TaskData",
     "associative_recall",
@@ -42,12 +44,8 @@ __all__ = [
     "modular_arithmetic",
     "counting",
     "char_lm",
-    "stdlib_docstring_text",
-    "python_reference_topics",
-    "STDLIB_TEXT_MODULES",
-    "CORPORA",
-    "CHAR_LM_SPLITS",
     "make_task",
+    "stdlib_docstring_text",
 ]
 
 
@@ -103,9 +101,9 @@ class TaskData:
             raise ValueError(f"y must be int64, got {self.y.dtype}")
         if self.mask.dtype != torch.bool:
             raise ValueError(f"mask must be bool, got {self.mask.dtype}")
-        _positive_int(self.vocab_size, "vocab_size")
+        check_int(self.vocab_size, "vocab_size")
         if self.n_classes is not None:
-            _positive_int(self.n_classes, "n_classes")
+            check_int(self.n_classes, "n_classes")
         if self.x.numel() and (int(self.x.min()) < 0 or int(self.x.max()) >= self.vocab_size):
             raise ValueError(f"x must hold token ids in [0, vocab_size) = [0, {self.vocab_size}), got values in "
                              f"[{int(self.x.min())}, {int(self.x.max())}]")
@@ -129,12 +127,6 @@ class TaskData:
     def out_dim(self) -> int:
         """Number of target classes (``n_classes`` or ``vocab_size``)."""
         return self.n_classes if self.n_classes is not None else self.vocab_size
-
-
-def _positive_int(val, name: str, minimum: int = 1) -> int:
-    if isinstance(val, bool) or not isinstance(val, int) or val < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {val!r}")
-    return val
 
 
 def _check_generator(generator) -> None:
@@ -173,10 +165,10 @@ def associative_recall(n_examples: int, *, vocab_size: int = 64, n_pairs: int = 
     -------
     TaskData with x, y, mask of shape [n_examples, seq_len]
     """
-    _positive_int(n_examples, "n_examples")
-    _positive_int(n_pairs, "n_pairs")
-    _positive_int(vocab_size, "vocab_size", 2)
-    _positive_int(seq_len, "seq_len", 2)
+    check_int(n_examples, "n_examples")
+    check_int(n_pairs, "n_pairs")
+    check_int(vocab_size, "vocab_size", 2)
+    check_int(seq_len, "seq_len", 2)
     _check_generator(generator)
     if vocab_size % 2:
         raise ValueError(f"vocab_size must be even (keys and values take one half each), got {vocab_size}")
@@ -234,10 +226,10 @@ def pair_lookup(n_examples: int, *, n_keys: int = 32, n_values: int = 16, n_pair
         ``x``, ``y``, ``mask`` of shape ``[n_examples, n_pairs + 1]``,
         ``vocab_size = n_keys * (n_values + 1)``, ``n_classes = n_values``.
     """
-    _positive_int(n_examples, "n_examples")
-    _positive_int(n_pairs, "n_pairs")
-    _positive_int(n_values, "n_values")
-    _positive_int(n_keys, "n_keys")
+    check_int(n_examples, "n_examples")
+    check_int(n_pairs, "n_pairs")
+    check_int(n_values, "n_values")
+    check_int(n_keys, "n_keys")
     _check_generator(generator)
     if n_pairs > n_keys:
         raise ValueError(f"n_pairs must be <= n_keys = {n_keys} (distinct keys), got {n_pairs}")
@@ -291,7 +283,7 @@ def modular_arithmetic(p: int = 97, *, op: str = "+", train_fraction: float = 0.
     train, val : TaskData
         ``x``, ``y``, ``mask`` of shape ``[N_split, 3]``; ``vocab_size`` is ``p + 1``.
     """
-    _positive_int(p, "p", 2)
+    check_int(p, "p", 2)
     _check_generator(generator)
     if op not in ("+", "-", "/"):
         raise ValueError(f"op must be '+', '-' or '/', got {op!r}")
@@ -345,9 +337,9 @@ def counting(n_examples: int, *, seq_len: int = 16, vocab_size: int = 8,
     TaskData
         ``x``, ``y``, ``mask`` of shape ``[n_examples, seq_len]``, ``n_classes = seq_len``.
     """
-    _positive_int(n_examples, "n_examples")
-    _positive_int(seq_len, "seq_len")
-    _positive_int(vocab_size, "vocab_size")
+    check_int(n_examples, "n_examples")
+    check_int(seq_len, "seq_len")
+    check_int(vocab_size, "vocab_size")
     _check_generator(generator)
     x = torch.randint(vocab_size, (n_examples, seq_len), generator=generator)  # (N, n)
     y = (x.unsqueeze(-1) == x.unsqueeze(-2)).sum(-1) - 1  # (N, n)
@@ -517,7 +509,7 @@ def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | No
         without ``tune_fraction > 0``, a fraction is out of range, or a split
         is shorter than ``block_size + 1`` characters.
     """
-    _positive_int(block_size, "block_size", 1)
+    check_int(block_size, "block_size", 1)
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) or not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction!r}")
     if corpus not in CORPORA:
@@ -530,7 +522,7 @@ def char_lm(*, block_size: int = 64, val_fraction: float = 0.1, stride: int | No
         raise ValueError(f"split must be one of {CHAR_LM_SPLITS}, got {split!r}")
     if split == "tune" and tune_fraction == 0:
         raise ValueError("split='tune' needs tune_fraction > 0 (there is no tuning text without it)")
-    stride = block_size if stride is None else _positive_int(stride, "stride")
+    stride = block_size if stride is None else check_int(stride, "stride")
     if text is not None and not isinstance(text, str):
         raise ValueError(f"text must be a str or None, got {type(text).__name__}")
     info: dict = {}

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .geometry.metric import LowRankMetric
 
-__all__ = ["ellipse_params", "metric_ellipse", "draw_metric_field", "draw_path"]
+__all__ = ["draw_metric_field", "draw_path"]
 
 
 def _as_dense_2x2(G) -> Tensor:

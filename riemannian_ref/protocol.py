@@ -56,7 +56,7 @@ from torch import nn
 from .data import TaskData
 from .training import TrainConfig, train
 
-__all__ = ["Arm", "compare", "paired_difference", "steps_to_target", "plateau"]
+__all__ = ["Arm", "compare"]
 
 SELECT = ("val_loss", "val_acc", "steps_to_target")
 

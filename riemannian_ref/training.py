@@ -62,17 +62,7 @@ from ._checks import check_int
 from ._train_config import TrainConfig, TrainResult, _as_device, lr_at
 from .data import TaskData
 
-__all__ = [
-    "TrainConfig",
-    "TrainResult",
-    "train",
-    "evaluate",
-    "masked_cross_entropy",
-    "logits_of",
-    "lr_at",
-    "seed_everything",
-    "attention_diagnostics",
-]
+__all__ = ["TrainConfig", "TrainResult", "train", "evaluate"]
 
 Hook = Callable[[int, dict], None]
 for _obj in (TrainConfig, TrainResult, lr_at):  # defined in a private module; this is their public home

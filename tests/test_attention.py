@@ -521,8 +521,8 @@ def test_gqa_reads_key_heads_in_place_lam_per_key_head_and_masks(gen, monkeypatc
     lam = torch.rand(hk, generator=gen, dtype=F64) + 0.5
     bias = torch.randn(B, hq, n, n, generator=gen, dtype=F64)
     seen = []
-    apply = functional._RiemannianAttentionFn.apply
-    monkeypatch.setattr(functional._RiemannianAttentionFn, "apply", lambda *a: seen.append(a[1].shape) or apply(*a))
+    real = functional.blockwise_operator
+    monkeypatch.setattr(functional, "blockwise_operator", lambda *a, **kw: seen.append(a[1].shape) or real(*a, **kw))
     for mask in (bias, bias[0, 0] > 0):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, Uk, lam)]
         out = rr.riemannian_attention(*leaves[:3], mask, 0.0, True, U_k=leaves[3], lam=leaves[4], enable_gqa=True,
@@ -621,15 +621,8 @@ def test_default_blocks_are_the_rule(gen, monkeypatch):
     """Without block_sizes the operator uses block_sizes_for(n_q, n_k, 1 + r_k + r_q)."""
     q, k, v, Uq, Uk, lam = make(gen, "mean", nq=5, nk=7, r=2)
     seen = []
-    real = functional._RiemannianAttentionFn
-
-    class Spy(torch.autograd.Function):
-        @staticmethod
-        def apply(*args):
-            seen.append(args[12])
-            return real.apply(*args)
-
-    monkeypatch.setattr(functional, "_RiemannianAttentionFn", Spy)
+    real = functional.blockwise_operator
+    monkeypatch.setattr(functional, "blockwise_operator", lambda *a, **kw: seen.append(kw["blocks"]) or real(*a, **kw))
     rr.riemannian_attention(q, k, v, U_q=Uq, U_k=Uk, lam=lam, metric_side="mean")
     assert seen == [block_sizes_for(5, 7, 5)]
 
@@ -642,8 +635,8 @@ def test_dispatch_table_sdpa_for_one_metric_the_operator_for_per_token_metrics(g
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *a, **kw: seen.append("sdpa") or sdpa(*a, **kw))
-    real = _blockwise._RiemannianAttentionFn.apply
-    monkeypatch.setattr(functional._RiemannianAttentionFn, "apply", lambda *a: seen.append("operator") or real(*a))
+    real = _blockwise.blockwise_operator
+    monkeypatch.setattr(functional, "blockwise_operator", lambda *a, **kw: seen.append("operator") or real(*a, **kw))
     q, k, v = (torch.randn(2, 2, 6, 4, generator=gen, dtype=F64) for _ in range(3))
     shared = torch.randn(2, 2, 4, 2, generator=gen, dtype=F64)
     tok = torch.randn(2, 2, 6, 4, 2, generator=gen, dtype=F64)

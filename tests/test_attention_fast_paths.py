@@ -1,7 +1,7 @@
 """The operator's speed paths compute the same function as its plain paths.
 
-The blockwise operator has switches that the ablation benchmark flips
-(``_FIXED_OFFSET``, ``_ROWSUM_IN_PRODUCT``, ``_CHUNK_TILE``): every setting must
+The blockwise operator's loop has options that the ablation benchmark prices
+(``LoopOptions``: fixed offset, row sum in the product, chunk size): every setting must
 agree with the dense reference in float64, outputs and all gradients (the
 float mask's included), with masks whose batch shape is broadcast in every
 way a chunk of the flattened batch can meet it (shared, consecutive, gathered).
@@ -9,6 +9,7 @@ The fixed softmax offset must fall back to the online softmax exactly when a
 row would underflow, and must not overflow when a later key beats the first
 key block by a wide margin.
 """
+import functools
 import itertools
 
 import pytest
@@ -31,10 +32,12 @@ def _blockwise_operator():
 
 @pytest.fixture
 def switches(monkeypatch):
-    def set_(fixed=True, rowsum=True, chunk=bw._CHUNK_TILE):
-        monkeypatch.setattr(bw, "_FIXED_OFFSET", fixed)
-        monkeypatch.setattr(bw, "_ROWSUM_IN_PRODUCT", rowsum)
-        monkeypatch.setattr(bw, "_CHUNK_TILE", chunk)
+    """Every public call below reaches the operator with these loop options (its ``options`` argument)."""
+    from riemannian_ref.attention import functional
+
+    def set_(fixed=True, rowsum=True, chunk=bw.DEFAULT_LOOP.chunk_tile):
+        options = bw.LoopOptions(fixed_offset=fixed, rowsum_in_product=rowsum, chunk_tile=chunk)
+        monkeypatch.setattr(functional, "blockwise_operator", functools.partial(bw.blockwise_operator, options=options))
     return set_
 
 

@@ -165,17 +165,10 @@ def test_errors():
 # ------------------------------------------------------------------ key_mask: O(n), the same as a dense mask
 
 def _spy(monkeypatch):
-    """Record the mask argument of every call to the blockwise autograd Function."""
+    """Record the mask argument of every call to the blockwise operator."""
     seen = []
-    real = functional._RiemannianAttentionFn
-
-    class Spy(torch.autograd.Function):
-        @staticmethod
-        def apply(*args):
-            seen.append(args[7])
-            return real.apply(*args)
-
-    monkeypatch.setattr(functional, "_RiemannianAttentionFn", Spy)
+    real = functional.blockwise_operator
+    monkeypatch.setattr(functional, "blockwise_operator", lambda *a, **kw: seen.append(kw["mask"]) or real(*a, **kw))
     return seen
 
 
@@ -240,9 +233,9 @@ def test_baseline_and_method_take_the_same_mask_path(monkeypatch, scores):
         monkeypatch.setattr(F, "scaled_dot_product_attention",
                             lambda *a, **kw: seen.append((kw["attn_mask"].shape, kw["is_causal"])) or sdpa(*a, **kw))
     else:
-        apply = functional._RiemannianAttentionFn.apply
-        monkeypatch.setattr(functional._RiemannianAttentionFn, "apply",
-                            lambda *a: seen.append((a[7].shape, a[8])) or apply(*a))
+        real = functional.blockwise_operator
+        monkeypatch.setattr(functional, "blockwise_operator",
+                            lambda *a, **kw: seen.append((kw["mask"].shape, kw["causal"])) or real(*a, **kw))
     out, _ = m(x, key_mask=keep)
     assert seen == [((B, 1, 1, n), True)]
     dense = keep.view(B, 1, 1, n) & torch.ones(n, n, dtype=torch.bool).tril()

@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+import riemannian_ref as rr
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -50,14 +53,26 @@ def test_bench_attention_ablation_tiny(tmp_path):
     assert [row["r"] for row in compiled] == [1, 4] and all(row["compile_s"] > 0 for row in compiled)
 
 
-def test_ablation_switches_exist_and_hold_the_operators_choice():
-    """The switches the ablation flips are the operator's own attributes, set to what it uses."""
+def test_ablation_switches_are_loop_options_and_the_entry_is_the_public_function():
+    """The ablation changes fields of the operator's LoopOptions (each to another value than the default), and its
+    call of the internal entry computes what ``rr.riemannian_attention`` does, exactly."""
+    import dataclasses
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_attention_ablation as ab
     from riemannian_ref.attention import _blockwise as bw
 
-    for _, attr, alt, ours in ab.SWITCHES:
-        assert getattr(bw, attr) == ours != alt
+    assert {attr for _, attr, _ in ab.SWITCHES} == {f.name for f in dataclasses.fields(bw.LoopOptions)}
+    for _, attr, alt in ab.SWITCHES:
+        assert getattr(bw.DEFAULT_LOOP, attr) != alt
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 70, 8, generator=g) for _ in range(3))
+    Uk = 0.3 * torch.randn(2, 3, 70, 8, 2, generator=g)
+    ref = rr.riemannian_attention(q, k, v, U_k=Uk)
+    assert torch.equal(ab.operator_call(q, k, v, Uk, bw.DEFAULT_LOOP), ref)
+    for _, attr, alt in ab.SWITCHES:
+        other = ab.operator_call(q, k, v, Uk, dataclasses.replace(bw.DEFAULT_LOOP, **{attr: alt}))
+        torch.testing.assert_close(other, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_bench_reductions_quick(tmp_path):

@@ -5,7 +5,8 @@ from hypothesis import given, strategies as st
 
 import riemannian_ref as rr
 from riemannian_ref.analysis import bundle
-from riemannian_ref.attention import connections as cx
+from riemannian_ref.attention import connections
+from riemannian_ref.geometry import transport as cx
 
 SIDES = ("key", "query", "mean")
 CONTENT = ("content", "content_source")
@@ -364,7 +365,7 @@ def test_pairwise_rotation_gradients_match_finite_differences(gen):
     gradcheck, with the angles broadcast over a batch dimension the inputs have."""
     phi = torch.randn(3, 4, 4, 2, generator=gen, dtype=DT, requires_grad=True)  # (h, n_i, n_j, d/2)
     q, k, v = (torch.randn(2, 3, 4, 4, generator=gen, dtype=DT, requires_grad=True) for _ in range(3))
-    f = cx._PairwiseRotation.apply
+    f = connections._PairwiseRotation.apply
     assert torch.autograd.gradcheck(lambda *a: f(*a), (phi, q, k, v))
     assert torch.autograd.gradcheck(lambda p, x: f(p, x, None, None)[0], (phi, q))
     assert torch.autograd.gradcheck(lambda p, x: f(p, None, None, x)[2], (phi, v))

@@ -11,7 +11,7 @@ import torch
 
 import riemannian_ref as rr
 from riemannian_ref.analysis import bundle
-from riemannian_ref.attention import connections as cx
+from riemannian_ref.geometry import transport as cx
 
 DT = torch.float64
 SIDES = ("key", "query", "mean")

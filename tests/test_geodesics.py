@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import riemannian_ref.geometry as rr  # pair_distance, segment_length, MetricField, path helpers
+from riemannian_ref.geometry import fields  # path_length, straight_path, ...: reached through their module
 
 F64 = torch.float64
 
@@ -97,7 +98,7 @@ def test_segment_field_reduces_to_linear_interpolation(gen):
     # and the polyline along the segment has the segment length, however it is spaced
     L_seg = rr.segment_length(x, y, rr.LowRankMetric(M.lam[1], M.U[1]), rr.LowRankMetric(M.lam[0], M.U[0]))
     for N in (2, 5, 33):
-        torch.testing.assert_close(rr.path_length(rr.straight_path(y, x, N), field), L_seg, rtol=1e-7, atol=0)
+        torch.testing.assert_close(fields.path_length(fields.straight_path(y, x, N), field), L_seg, rtol=1e-7, atol=0)
 
 
 @pytest.mark.parametrize("weights", ["gaussian", "inverse_distance", "segment"])
@@ -122,7 +123,7 @@ def test_field_at_is_the_dense_convex_combination(gen, weights, diagonal):
 def test_shortest_path_not_longer_than_segment(seed, strength):
     g = torch.Generator().manual_seed(seed)
     field, x, y, M = _two_point_field(g, strength)
-    seg = rr.path_length(rr.straight_path(x, y, 2), field)
+    seg = fields.path_length(fields.straight_path(x, y, 2), field)
     res = rr.shortest_path(x, y, field, n_points=24, steps=40)
     assert res.path.shape == (24, 2)
     torch.testing.assert_close(res.path[0], x, rtol=0, atol=0)
@@ -138,7 +139,7 @@ def test_shortest_path_in_gaussian_field_not_longer_than_segment(gen):
     field = rr.MetricField(torch.randn(6, 2, generator=gen, dtype=F64), M, bandwidth=0.5)
     x, y = field.anchors[0], field.anchors[1]
     res = rr.shortest_path(x, y, field, n_points=17, steps=40)
-    assert res.length <= rr.path_length(rr.straight_path(x, y, 64), field) * (1 + 1e-8)
+    assert res.length <= fields.path_length(fields.straight_path(x, y, 64), field) * (1 + 1e-8)
 
 
 @pytest.mark.parametrize("diagonal", [False, True])
@@ -150,9 +151,9 @@ def test_constant_metric_geodesic_is_the_straight_line(gen, diagonal):
     x, y = torch.tensor([0.0, 0.0], dtype=F64), torch.tensor([1.0, 0.5], dtype=F64)
     field = rr.MetricField(torch.stack([x, y]), M, weights="segment")
     # start from a bent path so that the optimiser has work to do
-    init = rr.straight_path(x, y, 17) + torch.sin(torch.linspace(0, math.pi, 17, dtype=F64))[:, None] * 0.3
+    init = fields.straight_path(x, y, 17) + torch.sin(torch.linspace(0, math.pi, 17, dtype=F64))[:, None] * 0.3
     res = rr.shortest_path(x, y, field, n_points=17, steps=100, init=init)
-    line = rr.straight_path(x, y, 17)
+    line = fields.straight_path(x, y, 17)
     torch.testing.assert_close(res.path, line, rtol=0, atol=1e-6)
     torch.testing.assert_close(res.length, rr.pair_distance(x, y, M1, M1), rtol=1e-10, atol=0)
 
@@ -161,15 +162,15 @@ def test_adam_also_shortens_and_is_deterministic(gen):
     field, x, y, _ = _two_point_field(gen, 2.0)
     kw = dict(n_points=12, steps=30, method="adam", lr=1e-2, coarse_to_fine=False)
     a, b = rr.shortest_path(x, y, field, **kw), rr.shortest_path(x, y, field, **kw)
-    assert a.length <= rr.path_length(rr.straight_path(x, y, 2), field) * (1 + 1e-8)
+    assert a.length <= fields.path_length(fields.straight_path(x, y, 2), field) * (1 + 1e-8)
     assert torch.equal(a.path, b.path)
     assert a.n_evals == 30
 
 
 def test_constant_speed_respacing(gen):
     field, x, y, _ = _two_point_field(gen, 2.0)
-    p = rr.constant_speed(rr.straight_path(x, y, 9), field, refine=64)
-    pieces = torch.stack([rr.path_length(p[i:i + 2], field) for i in range(8)])
+    p = fields.constant_speed(fields.straight_path(x, y, 9), field, refine=64)
+    pieces = torch.stack([fields.path_length(p[i:i + 2], field) for i in range(8)])
     assert (pieces.max() - pieces.min()) / pieces.mean() < 1e-3
 
 
@@ -217,9 +218,9 @@ def test_bad_inputs_name_the_argument(gen):
     with pytest.raises(ValueError, match="points"):
         field.weights(torch.zeros(4, 3, dtype=F64))
     with pytest.raises(ValueError, match="path"):
-        rr.path_length(torch.zeros(1, 2, dtype=F64), field)
+        fields.path_length(torch.zeros(1, 2, dtype=F64), field)
     with pytest.raises(ValueError, match="field"):
-        rr.path_energy(torch.zeros(4, 2, dtype=F64), "not a field")
+        fields.path_energy(torch.zeros(4, 2, dtype=F64), "not a field")
     with pytest.raises(ValueError, match="n_points"):
         rr.shortest_path(x, y, field, n_points=2)
     with pytest.raises(ValueError, match="method"):

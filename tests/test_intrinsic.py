@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import riemannian_ref.analysis as rr  # riemannian_ref.analysis.intrinsic (and energy_effective_rank)
+from riemannian_ref.analysis import intrinsic  # population and best-rank risks, the statistic, FitConfig
 
 F64 = torch.float64
 
@@ -35,7 +36,7 @@ def test_population_risk_formula_by_monte_carlo(gen):
     Xc = torch.randn(40_000, n, d, generator=gen, dtype=F64)
     err = rr.kernel_attention(Xq, Xc, W) - rr.kernel_attention(Xq, Xc, W_star)
     mc = (err ** 2).sum(-1).mean()
-    exact = rr.population_risk(W, W_star, n)
+    exact = intrinsic.population_risk(W, W_star, n)
     assert abs(float(mc / exact) - 1) < 0.03
 
 
@@ -45,15 +46,15 @@ def test_best_rank_risk_is_eckart_young(gen):
     for r in range(6):
         U, s, Vh = torch.linalg.svd(W_star)
         W_r = (U[:, :r] * s[:r]) @ Vh[:r]
-        torch.testing.assert_close(rr.best_rank_risk(W_star, r, n), rr.population_risk(W_r, W_star, n))
-    assert float(rr.best_rank_risk(W_star, 3, n)) < 1e-20
+        torch.testing.assert_close(intrinsic.best_rank_risk(W_star, r, n), intrinsic.population_risk(W_r, W_star, n))
+    assert float(intrinsic.best_rank_risk(W_star, 3, n)) < 1e-20
 
 
 def test_kernel_statistic_is_exact_for_linear_heads(gen):
     W_star = rr.teacher_kernel(5, 2, generator=gen)
     Xq = torch.randn(16, 4, 5, generator=gen, dtype=F64)
     Xc = torch.randn(16, 12, 5, generator=gen, dtype=F64)
-    M = rr.kernel_statistic(Xq, Xc, rr.kernel_attention(Xq, Xc, W_star))
+    M = intrinsic.kernel_statistic(Xq, Xc, rr.kernel_attention(Xq, Xc, W_star))
     torch.testing.assert_close(M, W_star, rtol=1e-9, atol=1e-9)
 
 
@@ -63,13 +64,13 @@ def test_fit_reaches_the_bound_and_recovers_rank(gen):
     Xq = torch.randn(32, 8, d, generator=gen, dtype=F64)
     Xc = torch.randn(32, n, d, generator=gen, dtype=F64)
     Y = rr.kernel_attention(Xq, Xc, W_star)
-    below = rr.fit_low_rank_kernel(Xq, Xc, Y, 1, rr.FitConfig(steps=250), generator=gen)
-    risk1 = float(rr.population_risk(below["W"], W_star, n))
-    bound1 = float(rr.best_rank_risk(W_star, 1, n))
+    below = rr.fit_low_rank_kernel(Xq, Xc, Y, 1, intrinsic.FitConfig(steps=250), generator=gen)
+    risk1 = float(intrinsic.population_risk(below["W"], W_star, n))
+    bound1 = float(intrinsic.best_rank_risk(W_star, 1, n))
     assert risk1 >= bound1 * (1 - 1e-9)
     assert risk1 < 1.2 * bound1
-    full = rr.fit_low_rank_kernel(Xq, Xc, Y, d, rr.FitConfig(steps=250), generator=gen)
-    assert float(rr.population_risk(full["W"], W_star, n)) < 1e-3
+    full = rr.fit_low_rank_kernel(Xq, Xc, Y, d, intrinsic.FitConfig(steps=250), generator=gen)
+    assert float(intrinsic.population_risk(full["W"], W_star, n)) < 1e-3
     assert abs(full["erank"][-1] - 2) < 0.05
     assert len(full["steps"]) == len(full["loss"]) == len(full["erank"])
 
@@ -82,8 +83,9 @@ def test_fit_reaches_the_bound_and_recovers_rank(gen):
         (lambda: rr.kernel_attention(torch.zeros(2, 3, 4), torch.zeros(2, 5, 4), torch.zeros(3, 3)), r"W must have shape \[d, d\] = \[4, 4\]"),
         (lambda: rr.kernel_attention(torch.zeros(2, 3, 4), torch.zeros(2, 5, 3), torch.zeros(4, 4)), "must share batch dims and d"),
         (lambda: rr.kernel_attention(torch.zeros(2, 3, 4), torch.zeros(2, 5, 4), torch.zeros(4, 4), attention="cos"), "attention must be one of"),
-        (lambda: rr.kernel_statistic(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)), "n >= d"),
-        (lambda: rr.best_rank_risk(torch.zeros(3, 3), -1, 5), "r must be an int >= 0"),
+        (lambda: intrinsic.kernel_statistic(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)),
+         "n >= d"),
+        (lambda: intrinsic.best_rank_risk(torch.zeros(3, 3), -1, 5), "r must be an int >= 0"),
     ],
 )
 def test_bad_inputs(call, match):

@@ -243,8 +243,8 @@ def spy(monkeypatch):
     sdpa = torch.nn.functional.scaled_dot_product_attention
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *a, **kw: seen.append("sdpa") or sdpa(*a, **kw))
-    real = _blockwise._RiemannianAttentionFn.apply
-    monkeypatch.setattr(functional._RiemannianAttentionFn, "apply", lambda *a: seen.append("operator") or real(*a))
+    real = _blockwise.blockwise_operator
+    monkeypatch.setattr(functional, "blockwise_operator", lambda *a, **kw: seen.append("operator") or real(*a, **kw))
     return seen
 
 

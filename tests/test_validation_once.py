@@ -2,7 +2,7 @@
 
 Spies count the calls of the two validation functions,
 ``attention._validate.check_attention_inputs`` and
-``geometry.scores._check_score_inputs``, wherever the package holds a
+``_checks.check_score_inputs``, wherever the package holds a
 reference to them (modules import them by name). The host-sync rules are
 tested on CPU: the decision "reading this tensor's values waits for its
 device" (``_checks.reading_syncs``) is made to answer yes for CPU tensors, and
@@ -15,8 +15,7 @@ import torch
 
 import riemannian_ref as rr
 from riemannian_ref import _checks
-from riemannian_ref.attention import _blockwise, _validate, functional
-from riemannian_ref.geometry import scores
+from riemannian_ref.attention import _validate, functional
 
 F64 = torch.float64
 
@@ -24,8 +23,8 @@ F64 = torch.float64
 @pytest.fixture
 def counts(monkeypatch):
     """Replace both validation functions by counting wrappers in every module that holds them."""
-    seen = {"check_attention_inputs": 0, "_check_score_inputs": 0}
-    for fn in (_validate.check_attention_inputs, scores._check_score_inputs):
+    seen = {"check_attention_inputs": 0, "check_score_inputs": 0}
+    for fn in (_validate.check_attention_inputs, _checks.check_score_inputs):
         def spy(*a, _fn=fn, **kw):
             seen[_fn.__name__] += 1
             return _fn(*a, **kw)
@@ -44,7 +43,7 @@ def once(counts, call):
     for key in counts:
         counts[key] = 0
     res = call()
-    assert counts == {"check_attention_inputs": 1, "_check_score_inputs": 1}, counts
+    assert counts == {"check_attention_inputs": 1, "check_score_inputs": 1}, counts
     return res
 
 
@@ -158,8 +157,9 @@ def test_the_all_zero_mask_shortcut_is_taken_on_cpu_only(gen, monkeypatch):
     pad = torch.zeros(2, 1, 1, 7, dtype=F64)
     pad[0, ..., 5:] = float("-inf")
     rows = []
-    apply = _blockwise._RiemannianAttentionFn.apply
-    monkeypatch.setattr(_blockwise._RiemannianAttentionFn, "apply", lambda *a: rows.append(a[-1]) or apply(*a))
+    real = functional.blockwise_operator
+    monkeypatch.setattr(functional, "blockwise_operator",
+                        lambda *a, **kw: rows.append(kw["mask_rows"]) or real(*a, **kw))
     ref = rr.riemannian_attention_reference(q, k, v, pad, 0.0, True, U_k=Uk)
     cpu = rr.riemannian_attention(q, k, v, pad, 0.0, True, U_k=Uk)
     monkeypatch.setattr(functional, "reading_syncs", lambda t: True)

@@ -2,7 +2,8 @@
 
 1. Cross-references to package names, whatever path they are written with.
    The API reference documents the curated names where users import them
-   (``riemannian_ref.riemannian_scores``, the names of ``riemannian_ref.__all__``),
+   (``riemannian_ref.riemannian_scores``, the names of ``riemannian_ref.__all__``;
+   ``riemannian_ref.analysis.collapse_bound``, a subpackage's own published name),
    while docstrings and chapters write the defining module's path
    (``riemannian_ref.geometry.scores.riemannian_scores``), the alias
    (``rr.riemannian_scores``) or a bare name from another module
@@ -79,6 +80,7 @@ import importlib
 import re
 import shutil
 import sys
+import types
 from pathlib import Path
 
 from docutils import nodes
@@ -125,11 +127,17 @@ def _lookup(target: str):
 
 
 def _curated_path(obj, parts: list[str]) -> str | None:
-    """The documented path of ``obj``: ``riemannian_ref.NAME[.member...]`` with NAME in ``__all__``."""
+    """The documented path of ``obj``: ``riemannian_ref.NAME[.member...]`` with NAME in ``__all__``, or
+    ``riemannian_ref.SUBPACKAGE.NAME`` with NAME in that subpackage's ``__all__`` only."""
     pkg = sys.modules.get(PACKAGE)
     if pkg is None:
         return None
     curated = {id(getattr(pkg, n)): n for n in getattr(pkg, "__all__", ())}
+    for sub, mod in vars(pkg).items():
+        if isinstance(mod, types.ModuleType) and not sub.startswith("_"):
+            for n in getattr(mod, "__all__", ()):
+                if callable(getattr(mod, n, None)):  # functions and classes (a constant's id is not its own)
+                    curated.setdefault(id(getattr(mod, n)), f"{sub}.{n}")
     if id(obj) in curated:
         return f"{PACKAGE}.{curated[id(obj)]}"
     # a member of a curated class: Class.method
@@ -153,8 +161,7 @@ def _missing_reference(app, env, node, contnode):
                                                       node["reftype"], path, node, contnode)
             if found is not None:
                 return found
-        if path is None:  # a real object the reference does not document: plain code
-            return contnode
+        return contnode  # a real object the reference does not document: plain code
     if target.split(".")[0] in sys.stdlib_module_names:
         return contnode
     # Docstring fields (napoleon's types) make refspecific references.

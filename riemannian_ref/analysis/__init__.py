@@ -12,8 +12,10 @@
 - :mod:`~riemannian_ref.analysis.intrinsic`: the linear-attention surrogate with a
   known intrinsic rank.
 
-:mod:`~riemannian_ref.analysis.collapse` re-exports the first three under the
-name they had as one module.
+:mod:`~riemannian_ref.analysis.collapse` re-exports what the first three publish
+under the name they had as one module. The other functions of a module
+(``intrinsic.population_risk``, ``measures.residual_center``, ...) are reached
+through it.
 """
 from .bound import *  # noqa: F401,F403
 from .bound import __all__ as _bound

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .._checks import as_positive, broadcast_batch, check_tensor, shape_str
-from ..geometry.transport import _check_rule, _phases, _positions, _rotate_factor, rotate_pairs
+from ..geometry.transport import check_positions, check_rule, phases_unchecked, rotate_factor, rotate_pairs
 
 __all__ = [
     "sample_triangles",
@@ -96,7 +96,7 @@ def _distinct_indices(n: int, count: int, k: int, count_name: str, generator, de
 def _check_rates(rates: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor]:
     rates = check_tensor(rates, "rates", min_dim=2)
     n = rates.shape[-2]
-    return rates, _positions(positions, n, rates)
+    return rates, check_positions(positions, n, rates)
 
 
 def _check_index(idx: Tensor, name: str, k: int, n: int) -> Tensor:
@@ -112,7 +112,7 @@ def _check_index(idx: Tensor, name: str, k: int, n: int) -> Tensor:
 def _edge_angle(rates: Tensor, p: Tensor, i: Tensor, j: Tensor, rule: str) -> Tensor:
     """Angles of P_{j->i} for index vectors i, j [T]: (p_i - p_j) omega_ij, or phi_i - phi_j, shape [..., T, d/2]."""
     if rule == "cumulative":
-        phi = _phases(rates, p)  # per-token phases                                     (..., n, d/2)
+        phi = phases_unchecked(rates, p)  # per-token phases                                     (..., n, d/2)
         return phi[..., i, :] - phi[..., j, :]
     w = rates[..., j, :] if rule == "source" else 0.5 * (rates[..., i, :] + rates[..., j, :])
     return (p[..., i, None] - p[..., j, None]) * w
@@ -164,12 +164,12 @@ def holonomy_defect(rates: Tensor, triangles: Tensor, positions: Tensor | None =
         How an edge reads its rate (:func:`~riemannian_ref.geometry.transport.edge_rule`).
     """
     rates, p = _check_rates(rates, positions)
-    _check_rule(rule)
+    check_rule(rule)
     triangles = _check_index(triangles, "triangles", 3, rates.shape[-2])
     i, j, k = triangles[:, 0], triangles[:, 1], triangles[:, 2]
     p = p.expand(*rates.shape[:-1])
     if rule == "cumulative":  # the loop's angle is the sum of its three edges' angles, each as transport computes it
-        ph = _phases(rates, p)  # per-token phases                                      (..., n, d/2)
+        ph = phases_unchecked(rates, p)  # per-token phases                                      (..., n, d/2)
         a, b, c = ph[..., i, :], ph[..., j, :], ph[..., k, :]  # (..., T, d/2)
         phi = (b - a) + (c - b) + (a - c)  # edges i -> j, j -> k, k -> i: zero up to round-off
         defect = torch.sqrt(8.0 * torch.sin(0.5 * phi).pow(2).sum(-1))  # (..., T)
@@ -214,7 +214,7 @@ def transport_closure_defect(x: Tensor, rates: Tensor, triangles: Tensor, positi
     """
     x = check_tensor(x, "x", min_dim=2)
     rates, p = _check_rates(rates, positions)
-    _check_rule(rule)
+    check_rule(rule)
     if x.shape[-1] != 2 * rates.shape[-1] or x.shape[-2] != rates.shape[-2]:
         raise ValueError(f"x must have shape [..., n, d] = [..., {rates.shape[-2]}, {2 * rates.shape[-1]}] "
                          f"to match rates {shape_str(rates)}, got {shape_str(x)}")
@@ -276,7 +276,7 @@ def metric_compatibility_defect(lam, U: Tensor, rates: Tensor, pairs: Tensor,
     """
     U = check_tensor(U, "U", min_dim=3)
     rates, p = _check_rates(rates, positions)
-    _check_rule(rule)
+    check_rule(rule)
     if not isinstance(relative, bool):
         raise ValueError(f"relative must be a bool, got {relative!r}")
     n, d = U.shape[-3], U.shape[-2]
@@ -304,10 +304,10 @@ def metric_compatibility_defect(lam, U: Tensor, rates: Tensor, pairs: Tensor,
                             torch.zeros_like(ang))  # |G_i - G_j|_F                    (..., T)
     if reduce:
         defect, hetero = defect.mean(-1), hetero.mean(-1)
-    return _relative_defect(defect, hetero)
+    return relative_defect(defect, hetero)
 
 
-def _relative_defect(defect: Tensor, hetero: Tensor) -> Tensor:
+def relative_defect(defect: Tensor, hetero: Tensor) -> Tensor:
     r"""``defect / hetero``, with the convention of equal metrics where ``hetero`` is 0: never 0/0.
 
     Where the metrics are all equal (heterogeneity 0) a defect can come from
@@ -321,10 +321,13 @@ def _relative_defect(defect: Tensor, hetero: Tensor) -> Tensor:
                        torch.where(defect > 0, torch.inf, torch.where(defect == 0, 0.0, defect)))
 
 
+_relative_defect = relative_defect  # the name models/transformer.py imports (until it imports relative_defect)
+
+
 def _compatibility(U_i: Tensor, U_j: Tensor, c: Tensor, ang: Tensor) -> Tensor:
     """|P^T G_i P - G_j|_F for G = lam I + U U^T, with P the block rotation of angles ``ang``, per pair."""
     d = U_i.shape[-2]
-    A = _rotate_factor(U_i, -ang)  # P^T U_i                                     (..., T, d, r)
+    A = rotate_factor(U_i, -ang)  # P^T U_i                                     (..., T, d, r)
     Bm = U_j  # (..., T, d, r)
     # A A^T - B B^T = M J M^T with M = [A, B], J = diag(I, -I); with M = Q R its
     # Frobenius norm is that of the 2r x 2r matrix R J R^T: no cancellation.

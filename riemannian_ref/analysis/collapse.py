@@ -11,9 +11,9 @@ The functions live in three modules by purpose:
 - :mod:`riemannian_ref.analysis.probes`: linear and two-layer perceptron
   probes that read labels from states.
 
-This module re-exports all of them, so that ``from
+This module re-exports what they publish, so that ``from
 riemannian_ref.analysis.collapse import relative_residual`` keeps working; every
-name is also exported by :mod:`riemannian_ref.analysis`.
+such name is also exported by :mod:`riemannian_ref.analysis`.
 """
 from __future__ import annotations
 

@@ -46,15 +46,7 @@ from torch import Tensor, nn
 from .._checks import check_choice, check_int, check_number, check_tensor, shape_str
 from .measures import energy_effective_rank
 
-__all__ = [
-    "teacher_kernel",
-    "kernel_attention",
-    "population_risk",
-    "best_rank_risk",
-    "kernel_statistic",
-    "FitConfig",
-    "fit_low_rank_kernel",
-]
+__all__ = ["teacher_kernel", "kernel_attention", "fit_low_rank_kernel"]
 
 _KINDS = ("linear", "softmax")
 

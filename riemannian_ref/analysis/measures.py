@@ -54,9 +54,7 @@ from .._checks import check_tensor, shape_str
 __all__ = [
     "composite_norm",
     "residual",
-    "residual_center",
     "relative_residual",
-    "composite_residual_lower_bound",
     "stable_rank",
     "energy_effective_rank",
     "attention_path_products",

@@ -78,22 +78,32 @@ import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ._validate import DOMINANT_MASK
 
-__all__: list[str] = []  # private: called by riemannian_ref.attention.functional
+__all__: list[str] = []  # private: riemannian_ref.attention.functional calls blockwise_operator
 
 _NEG_INF = float("-inf")
 
-# Switches for benchmarks/bench_attention_ablation.py, which prices each idea in the operator itself.
-# The defaults are what the measurements kept; the alternatives compute the same function.
-_FIXED_OFFSET = True  # False: the online softmax (running maximum and rescaling) for every row
-_ROWSUM_IN_PRODUCT = True  # False: the row sum as a separate pass over each tile
-_CHUNK_TILE = 2 ** 17  # products per thread and chunk; 0: the whole batch in every tile
-_THREADS_OVER_CHUNKS = True  # False: one thread issues every chunk, each kernel multi-threaded
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How the CPU loop computes the same function; ``benchmarks/bench_attention_ablation.py`` prices each.
+
+    The defaults are what the measurements kept.
+    """
+    fixed_offset: bool = True  # False: the online softmax (running maximum and rescaling) for every row
+    rowsum_in_product: bool = True  # False: the row sum as a separate pass over each tile
+    chunk_tile: int = 2 ** 17  # products per thread and chunk; 0: the whole batch in every tile
+    threads_over_chunks: bool = True  # False: one thread issues every chunk, each kernel multi-threaded
+
+
+DEFAULT_LOOP = LoopOptions()
 _MARGIN = 64.0  # bits a later key may exceed the offset by (no float32 overflow: 2^64 * n * |v|)
 _TINY_SUM = 2.0 ** -60  # a row sum below this triggers the online fallback
 
@@ -130,17 +140,18 @@ def block_sizes_for(n_q: int, n_k: int, width: int, *, tile: int = 2 ** 17) -> t
     return bq, max(1, min(n_k, bk))
 
 
-def batch_chunk_for(n_batch: int, bq: int, bk: int, width: int, threads: int | None = None) -> int:
-    """Batch elements per chunk: all of a chunk's tiles together hold about ``threads * 2**17`` products.
+def batch_chunk_for(n_batch: int, bq: int, bk: int, width: int, threads: int | None = None,
+                    chunk_tile: int = DEFAULT_LOOP.chunk_tile) -> int:
+    """Batch elements per chunk: all of a chunk's tiles together hold about ``threads * chunk_tile`` products.
 
     With the default blocks that is one batch element per thread: the products
     of a tile stay in that core's cache, and the matrix products and
     elementwise passes still split over the threads.
     """
-    if not _CHUNK_TILE:
+    if not chunk_tile:
         return n_batch
     threads = torch.get_num_threads() if threads is None else threads
-    return max(1, min(n_batch, (threads * _CHUNK_TILE) // max(1, bq * bk * width)))
+    return max(1, min(n_batch, (threads * chunk_tile) // max(1, bq * bk * width)))
 
 
 def _key_block(k_b: Tensor, lam: Tensor, W: Tensor | None, U_b: Tensor | None, scale: float, ck: float):
@@ -385,7 +396,7 @@ def _buffers(q: Tensor, cb: int, n_q: int, n_k: int, bq: int, bk: int, rk: int, 
     return xbuf, ybuf
 
 
-def _chunk_fixed(q, k, v, lam, W, Uk, Uq, mask, causal, s2, ck2, cq2, bq, bk, bufs):
+def _chunk_fixed(q, k, v, lam, W, Uk, Uq, mask, causal, s2, ck2, cq2, bq, bk, bufs, rowsum_in_product=True):
     """Forward of one batch chunk with the fixed offset; returns (acc [.., dv+1 or dv], l, offset)."""
     cb, n_q, d = q.shape
     n_k, dv = k.shape[1], v.shape[2]
@@ -394,9 +405,9 @@ def _chunk_fixed(q, k, v, lam, W, Uk, Uq, mask, causal, s2, ck2, cq2, bq, bk, bu
     off = _row_bound(q, lam, W, s2, mask, n_q)  # (cb, n_q), base 2
     qa = _augment(q, 1.0, 0.0)
     qa[..., d + 1] = -off  # the offset rides in the product
-    va = _augment(v, 1.0) if _ROWSUM_IN_PRODUCT else v  # P @ [V | 1]: output and row sum
+    va = _augment(v, 1.0) if rowsum_in_product else v  # P @ [V | 1]: output and row sum
     acc = q.new_empty(cb, n_q, va.shape[-1])
-    l = None if _ROWSUM_IN_PRODUCT else q.new_empty(cb, n_q)
+    l = None if rowsum_in_product else q.new_empty(cb, n_q)
     for j0 in range(0, n_k, bk):
         j1 = min(j0 + bk, n_k)
         Kt, _ = _key_block(k[:, j0:j1], lam, W, Uk[:, j0:j1] if rk else None, s2, ck2)
@@ -504,12 +515,12 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return _POOL
 
 
-def _plan_chunks(Bf: int, bq: int, bk: int, width: int, serial: bool, device: torch.device):
+def _plan_chunks(Bf: int, bq: int, bk: int, width: int, serial: bool, device: torch.device, options: LoopOptions):
     """(workers, chunk size, chunk slices): one worker per CPU thread when there are chunks enough."""
     threads = torch.get_num_threads()
-    serial = serial or not _THREADS_OVER_CHUNKS or device.type != "cpu"  # a GPU queues kernels anyway
+    serial = serial or not options.threads_over_chunks or device.type != "cpu"  # a GPU queues kernels anyway
     workers = 1 if serial else min(threads, Bf)
-    cb = batch_chunk_for(Bf, bq, bk, width, 1 if workers > 1 else threads)
+    cb = batch_chunk_for(Bf, bq, bk, width, 1 if workers > 1 else threads, options.chunk_tile)
     chunks = [slice(c0, min(c0 + cb, Bf)) for c0 in range(0, Bf, cb)]
     return min(workers, len(chunks)), cb, chunks
 
@@ -582,14 +593,15 @@ class _RiemannianAttentionFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch, kv_group, mask_rows):
+    def forward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch, kv_group, mask_rows,
+                options=DEFAULT_LOOP):
         Bf, n_q, d = q.shape
         n_k, dv = k.shape[1], v.shape[2]
         rk = Uk.shape[-1] if Uk is not None else 0
         rq = Uq.shape[-1] if Uq is not None else 0
         bq, bk = blocks
         s2, ck2, cq2 = _base2(scale, ck, cq)
-        workers, cb, chunks = _plan_chunks(Bf, bq, bk, 1 + rk + rq, False, q.device)
+        workers, cb, chunks = _plan_chunks(Bf, bq, bk, 1 + rk + rq, False, q.device, options)
         g = kv_group
         masks = _MaskChunks(mask, batch, False, mask_rows) if mask is not None else None
         out = q.new_empty(Bf, n_q, dv)
@@ -603,11 +615,13 @@ class _RiemannianAttentionFn(torch.autograd.Function):
                         _kv_rows(Uk, c, g) if rk else None,
                         Uq[c] if rq else None, masks.chunk(c.start, c.stop) if masks else None, causal,
                         s2, ck2, cq2, bq, bk, bufs)
-                acc, l, off = (_chunk_fixed if _FIXED_OFFSET else _chunk_online)(*args)
-                if _FIXED_OFFSET:
+                if options.fixed_offset:
+                    acc, l, off = _chunk_fixed(*args, options.rowsum_in_product)
                     small = l < _TINY_SUM
                     if small.any() and (small & ~_dead_rows(args[7], causal, l.shape[0], n_q, n_k)).any():
                         acc, l, off = _chunk_online(*args)  # every key far below the bound: underflow
+                else:
+                    acc, l, off = _chunk_online(*args)
                 out[c] = acc[..., :dv] / l.clamp_min(tiny).unsqueeze(-1)  # rows that see no key: 0 / tiny = 0
                 # rows that see no key: lse = +inf, so that exp2(S - lse) = 0 in the backward
                 lse[c] = torch.where(l > 0, off + torch.log2(l.clamp_min(tiny)), float("inf"))
@@ -615,6 +629,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         _run_chunks(run, chunks, workers)
         ctx.save_for_backward(q, k, v, lam, W, Uk, Uq, mask, out, lse, mask_rows)
         ctx.consts = (causal, scale, ck, cq, blocks, batch, g)
+        ctx.options = options
         return out
 
     @staticmethod
@@ -634,7 +649,7 @@ class _RiemannianAttentionFn(torch.autograd.Function):
         rk = Uk.shape[-1] if Uk is not None else 0
         rq = Uq.shape[-1] if Uq is not None else 0
         # a float mask's gradient is summed over batch elements that share it: chunks in one thread
-        workers, cb, chunks = _plan_chunks(Bf, bq, bk, 1 + rk + rq, need_mask, q.device)
+        workers, cb, chunks = _plan_chunks(Bf, bq, bk, 1 + rk + rq, need_mask, q.device, ctx.options)
         masks = _MaskChunks(mask, batch, need_mask, mask_rows) if mask is not None else None
         dout = dout.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -667,7 +682,27 @@ class _RiemannianAttentionFn(torch.autograd.Function):
 
         _run_chunks(run, chunks, workers, g)
         dmask = masks.grad_like_mask() if need_mask else None
-        return dq, dk, dv, dlam, dW, dUk, dUq, dmask, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dlam, dW, dUk, dUq, dmask, None, None, None, None, None, None, None, None, None
+
+
+def blockwise_operator(q: Tensor, k: Tensor, v: Tensor, lam: Tensor, *, W, Uk, Uq, mask, causal: bool,
+                       scale: float, ck: float, cq: float, blocks: tuple[int, int], batch: tuple, kv_group: int = 1,
+                       mask_rows=None, options: LoopOptions = DEFAULT_LOOP, traced: bool = False) -> Tensor:
+    """The operator on flattened inputs (listed by :class:`_RiemannianAttentionFn`), by keyword: (Bf, n_q, dv).
+
+    The one entry of :func:`~riemannian_ref.attention.functional.riemannian_attention`
+    and of the ablation benchmark, which passes ``options``. ``traced``: the
+    custom op of ``_op.py`` (under ``torch.compile``, on meta tensors), which
+    runs the default loop.
+    """
+    args = (q, k, v, lam, W, Uk, Uq, mask, causal, scale, ck, cq, blocks, batch, kv_group, mask_rows)
+    if traced:
+        if options != DEFAULT_LOOP:
+            raise ValueError(f"options must be the default loop while tracing, got {options}")
+        from ._op import TracedRiemannianAttentionFn  # _op imports this module
+
+        return TracedRiemannianAttentionFn.apply(*args)
+    return _RiemannianAttentionFn.apply(*args, options)
 
 
 def _chunk_backward(ctx, q, k, v, lam, W, Uk, Uq, mask, causal, s2, ck2, cq2, bq, bk, bufs, dpbuf, out, lse,

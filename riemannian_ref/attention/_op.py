@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._blockwise import _RiemannianAttentionFn
+from ._blockwise import DEFAULT_LOOP, _RiemannianAttentionFn
 
 __all__: list[str] = []  # private: called by riemannian_ref.attention.functional
 
@@ -54,6 +54,7 @@ class _Ctx:
         self.saved_tensors = tuple(saved)
         self.consts = consts
         self.needs_input_grad = tuple(needs_input_grad)
+        self.options = DEFAULT_LOOP  # the custom op runs the default loop
 
     def save_for_backward(self, *tensors):
         self.saved_tensors = tensors

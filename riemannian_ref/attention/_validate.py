@@ -7,16 +7,15 @@ entry; what it calls inside (the operator's dense branches, the reference's
 scores, every tile of ``blockwise_attention``, the operator under
 ``connection_attention``) takes the validated arguments unchecked
 (``functional._attention``, ``reference._reference_attention``,
-``geometry.scores._riemannian_scores``).
+``geometry.scores.scores_unchecked``).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .._checks import broadcast_batch, check_same, check_tensor, check_values, shape_str
+from .._checks import broadcast_batch, check_same, check_score_inputs, check_tensor, check_values, shape_str
 from .. import _checks
-from ..geometry.scores import _check_score_inputs
 
 __all__: list[str] = []
 
@@ -50,7 +49,7 @@ def check_attention_inputs(q, k, v, attn_mask, dropout_p, is_causal, scale, U_q,
     factors. ``lam`` and ``attn_mask`` must broadcast *to* it: they may not
     grow the output's batch (a silent broadcast there is almost always a bug).
     """
-    lam_t, scale, per_q, per_k = _check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale,
+    lam_t, scale, per_q, per_k = check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale,
                                                           names=("query", "key"))
     v = check_tensor(v, "value", min_dim=2)
     check_same(q, "query", [("value", v)])

@@ -25,10 +25,8 @@ import torch
 from torch import Tensor
 
 from .._checks import broadcast_batch, check_same, check_tensor, shape_str
-from ..geometry.transport import (CONNECTIONS, EDGE_RULES, _check_rule, _phases, _positions,  # noqa: F401
-                                  _rotate_factor, block_rotation_matrix, compatible_transport, connection_rates,
-                                  cumulative_phases, edge_rule, rotary_frequencies, rotate_pairs,
-                                  transport_angles)
+from ..geometry.transport import (CONNECTIONS, check_positions, edge_rule, phases_unchecked,
+                                  rotary_frequencies, rotate_factor, rotate_pairs, transport_angles)
 from ._validate import autocast_dtype, check_attention_inputs
 from .functional import _attention
 from .reference import _reference_attention, additive_mask, masked_softmax
@@ -199,7 +197,7 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         ang = _cumulative_angles(rates, positions, query)  # phi_i, float32 at least   (..., n, d/2)
         return _common_frame_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
                                        metric_side, scores, ang, transport_values, return_weights)
-    p = _positions(positions, n, query)
+    p = check_positions(positions, n, query)
     if connection == "flat":
         if rates is None:
             rates = rotary_frequencies(d, dtype=query.dtype, device=query.device)
@@ -211,8 +209,8 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
         per_k = U_k is not None and U_k.dim() == key.dim() + 1
         q1, k1 = rotate_pairs(query, -ang), rotate_pairs(key, -ang)  # R_i^T q_i, R_j^T k_j
         v1 = rotate_pairs(value, -ang) if transport_values else value  # R_j^T v_j
-        U_q1 = _rotate_factor(_per_token(U_q, per_q, n), -ang) if U_q is not None else None
-        U_k1 = _rotate_factor(_per_token(U_k, per_k, n), -ang) if U_k is not None else None
+        U_q1 = rotate_factor(_per_token(U_q, per_q, n), -ang) if U_q is not None else None
+        U_k1 = rotate_factor(_per_token(U_k, per_k, n), -ang) if U_k is not None else None
         res = _attend(q1, k1, v1, attn_mask, dropout_p, is_causal, scale, U_q1, U_k1, lam, metric_side,
                       scores, return_weights)
         out, A = res if return_weights else (res, None)
@@ -220,7 +218,7 @@ def connection_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: T
             out = rotate_pairs(out, ang)  # back to fibre i: R_i o_i
         return (out, A) if return_weights else out
     if query.dtype in (torch.float16, torch.bfloat16):  # positions in float32: bfloat16 spaces 256, 258, ...
-        p = _positions(positions, n, query.new_empty((), dtype=torch.float32))
+        p = check_positions(positions, n, query.new_empty((), dtype=torch.float32))
     return _content_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_k, lam,
                               metric_side, scores, rates, p, transport_values, return_weights,
                               edge_rule(connection))
@@ -237,9 +235,9 @@ def _cumulative_angles(rates: Tensor | None, positions: Tensor | None, query: Te
     _check_rates(rates, query, "cumulative")
     wide = torch.promote_types(query.dtype, torch.float32)
     rates = rates.to(wide)
-    p = _positions(positions, n, rates)
+    p = check_positions(positions, n, rates)
     broadcast_batch({"rates.shape[:-2]": rates.shape[:-2], "positions.shape[:-1]": p.shape[:-1]})
-    return _phases(rates, p)
+    return phases_unchecked(rates, p)
 
 
 def _turn(x: Tensor, c: Tensor, s: Tensor, axis: int) -> Tensor:

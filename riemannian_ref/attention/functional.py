@@ -25,8 +25,8 @@ from torch import Tensor
 
 from .._checks import reading_syncs, shape_str
 from ..geometry.metric import SubspaceFactors
-from ._blockwise import _RiemannianAttentionFn, block_sizes_for
-from ._op import TracedRiemannianAttentionFn
+from . import _op  # noqa: F401  (registers the custom op that blockwise_operator traces, before any trace)
+from ._blockwise import block_sizes_for, blockwise_operator
 from ._validate import autocast_dtype, check_attention_inputs
 from .reference import _reference_attention
 
@@ -392,12 +392,11 @@ def _dispatch(query, key, value, attn_mask, dropout_p, is_causal, scale, U_q, U_
     # the mask keeps its own batch shape (a key-padding mask [B, 1, 1, n_k] stays O(B n_k))
     # eagerly the autograd Function; while torch.compile traces, the same operator as a custom op (_op.py), and
     # on meta tensors too (its fake implementation gives the shapes; the eager operator reads values)
-    fn = TracedRiemannianAttentionFn if torch.compiler.is_compiling() or query.device.type == "meta" \
-        else _RiemannianAttentionFn
-    out = fn.apply(qf.contiguous(), kf.contiguous(), vf.contiguous(), lamf, W,
-                   Ukf.contiguous() if Ukf is not None else None,
-                   Uqf.contiguous() if Uqf is not None else None,
-                   attn_mask, is_causal, scale, c, c, blocks, tuple(batch), g, rows)
+    out = blockwise_operator(qf.contiguous(), kf.contiguous(), vf.contiguous(), lamf, W=W,
+                             Uk=Ukf.contiguous() if Ukf is not None else None,
+                             Uq=Uqf.contiguous() if Uqf is not None else None, mask=attn_mask, causal=is_causal,
+                             scale=scale, ck=c, cq=c, blocks=blocks, batch=tuple(batch), kv_group=g, mask_rows=rows,
+                             traced=torch.compiler.is_compiling() or query.device.type == "meta")
     return out.view(*batch, n_q, value.shape[-1])
 
 

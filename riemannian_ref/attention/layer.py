@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_bool, check_choice, check_int, check_number, check_tensor, shape_str
+from .._checks import F32_MAX, METRIC_SIDES, check_bool, check_choice, check_int, check_number, check_tensor, shape_str
 from ..geometry.metric import LAM_MIN, METRIC_FORMS, MetricNet, SubspaceFactors, raw_from_lam
-from ..geometry.scores import METRIC_SIDES, riemannian_scores
+from ..geometry.scores import riemannian_scores
 from ._validate import autocast_dtype
 from ..geometry.transport import CONNECTIONS, rotary_frequencies
 from .connections import connection_attention
@@ -45,11 +45,6 @@ __all__ = ["AttentionConfig", "RiemannianAttention"]
 SCORES = ("metric", "dot")
 METRICS = ("token", "shared", "position")
 QK_INITS = ("normal", "orthonormal")
-_F32_MAX = float(torch.finfo(torch.float32).max)
-
-
-# the package's validators under the names the models import (errors name the field and the range)
-_pos_int, _number, _choice = check_int, check_number, check_choice
 
 
 @dataclass(frozen=True)
@@ -178,24 +173,24 @@ class AttentionConfig:
     qk_gain: float = 1.0             # multiplies the frames at init
 
     def __post_init__(self):
-        _pos_int(self.d_model, "d_model")
-        _pos_int(self.n_heads, "n_heads")
+        check_int(self.d_model, "d_model")
+        check_int(self.n_heads, "n_heads")
         for name in ("head_dim", "v_head_dim", "kv_dim"):
             if getattr(self, name) is not None:
-                _pos_int(getattr(self, name), name)
+                check_int(getattr(self, name), name)
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}), "
                              "or give head_dim")
-        _choice(self.scores, "scores", SCORES)
-        _choice(self.metric, "metric", METRICS)
-        _choice(self.metric_side, "metric_side", METRIC_SIDES)
-        _choice(self.metric_form, "metric_form", METRIC_FORMS)
-        _number(self.max_gain, "max_gain", low=0.0, low_open=True, high=_F32_MAX)
-        _number(self.gain_bias, "gain_bias", low=-_F32_MAX, high=_F32_MAX)
-        _choice(self.connection, "connection", CONNECTIONS)
-        _choice(self.qk_init, "qk_init", QK_INITS)
-        _pos_int(self.rank, "rank", 0)
-        _pos_int(self.max_positions, "max_positions")
+        check_choice(self.scores, "scores", SCORES)
+        check_choice(self.metric, "metric", METRICS)
+        check_choice(self.metric_side, "metric_side", METRIC_SIDES)
+        check_choice(self.metric_form, "metric_form", METRIC_FORMS)
+        check_number(self.max_gain, "max_gain", low=0.0, low_open=True, high=F32_MAX)
+        check_number(self.gain_bias, "gain_bias", low=-F32_MAX, high=F32_MAX)
+        check_choice(self.connection, "connection", CONNECTIONS)
+        check_choice(self.qk_init, "qk_init", QK_INITS)
+        check_int(self.rank, "rank", 0)
+        check_int(self.max_positions, "max_positions")
         if self.metric == "position" and self.cross_attention:
             raise ValueError("metric='position' indexes the metric by the position of a token in its own "
                              "sequence: it needs cross_attention=False")
@@ -203,20 +198,20 @@ class AttentionConfig:
             raise ValueError(f"metric_bias=True needs metric='token' (metrics computed from the states), "
                              f"got metric={self.metric!r}")
         if self.subspace is not None:
-            _pos_int(self.subspace, "subspace", 1, self.qk_dim)
+            check_int(self.subspace, "subspace", 1, self.qk_dim)
             if self.scores != "metric" or self.metric != "token" or self.rank == 0:
                 raise ValueError(f"subspace needs per-token metrics of rank >= 1 computed from the states "
                                  f"(scores='metric', metric='token', rank >= 1), got scores={self.scores!r}, "
                                  f"metric={self.metric!r}, rank={self.rank!r}")
-        _number(self.strength, "strength", low=0.0)
+        check_number(self.strength, "strength", low=0.0)
         raw_from_lam(self.lam_init, self.lam_min)  # lam_init > lam_min > 0, finite
-        _number(self.rotary_base, "rotary_base", low=1.0, low_open=True)
-        _number(self.content_rate_std, "content_rate_std", low=0.0)
-        _number(self.dropout, "dropout", low=0.0, high=1.0, high_open=True)
-        _number(self.qk_gain, "qk_gain", low=0.0, low_open=True)
+        check_number(self.rotary_base, "rotary_base", low=1.0, low_open=True)
+        check_number(self.content_rate_std, "content_rate_std", low=0.0)
+        check_number(self.dropout, "dropout", low=0.0, high=1.0, high_open=True)
+        check_number(self.qk_gain, "qk_gain", low=0.0, low_open=True)
         for name in ("init_std", "out_init_std"):
             if getattr(self, name) is not None:
-                _number(getattr(self, name), name, low=0.0, low_open=True)
+                check_number(getattr(self, name), name, low=0.0, low_open=True)
         if self.connection != "trivial":
             if self.cross_attention:
                 raise ValueError(f"connection={self.connection!r} transports between positions of one "

@@ -29,10 +29,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..geometry.scores import _riemannian_scores
+from ..geometry.scores import scores_unchecked
 from ._validate import check_attention_inputs
 
-__all__ = ["riemannian_attention_reference", "blockwise_attention", "masked_softmax", "additive_mask"]
+__all__ = ["riemannian_attention_reference", "blockwise_attention"]
 
 
 def additive_mask(attn_mask: Tensor | None, is_causal: bool, n_q: int, n_k: int, like: Tensor) -> Tensor | None:
@@ -134,7 +134,7 @@ def _reference_attention(query, key, value, attn_mask, dropout_p, is_causal, sca
                          per_q, per_k, return_weights=False):
     """:func:`riemannian_attention_reference` of a validated call (``lam_t``, ``scale``, ``per_q``, ``per_k`` as
     ``check_attention_inputs`` returns them), unchecked: for the operators' branches that take the dense path."""
-    S = _riemannian_scores(query, key, U_q, U_k, lam_t, metric_side, scale, per_q, per_k)
+    S = scores_unchecked(query, key, U_q, U_k, lam_t, metric_side, scale, per_q, per_k)
     M = additive_mask(attn_mask, is_causal, query.shape[-2], key.shape[-2], query)
     A = masked_softmax(S if M is None else S + M)
     if dropout_p > 0.0:
@@ -181,10 +181,10 @@ def blockwise_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Te
         l = torch.zeros_like(m)                                                       # running sum
         acc = q.new_zeros(*q.shape[:-1], value.shape[-1])                              # running output
         for j0 in range(0, n_k, bk):                                  # one block of keys and values
-            S = _riemannian_scores(q, key[..., j0:j0 + bk, :],               # validated once, above
-                                   rows(U_q, per_q, i0, i0 + bq) if U_q is not None else None,
-                                   rows(U_k, per_k, j0, j0 + bk) if U_k is not None else None,
-                                   lam, metric_side, scale, per_q, per_k)               # (..., bq, bk)
+            S = scores_unchecked(q, key[..., j0:j0 + bk, :],                 # validated once, above
+                                 rows(U_q, per_q, i0, i0 + bq) if U_q is not None else None,
+                                 rows(U_k, per_k, j0, j0 + bk) if U_k is not None else None,
+                                 lam, metric_side, scale, per_q, per_k)                 # (..., bq, bk)
             if M is not None:
                 Mi = M[..., i0:i0 + bq, :] if M.shape[-2] > 1 else M
                 S = S + (Mi[..., j0:j0 + bk] if M.shape[-1] > 1 else Mi)

@@ -9,6 +9,9 @@
 - :mod:`~riemannian_ref.geometry.fields`: metric fields, curve lengths, shortest paths.
 - :mod:`~riemannian_ref.geometry.transport`: the connections between token fibres
   (rotations, rates, angles, phases) that attention transports along.
+
+``__all__`` holds what a user needs; the other functions of a module
+(``transport.rotate_pairs``, ``fields.path_length``, ...) are reached through it.
 """
 from .fields import *  # noqa: F401,F403
 from .fields import __all__ as _fields

@@ -16,19 +16,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .._checks import check_same, check_tensor, shape_str
-from .geodesics import _check_metric, _metric_batch, _check_points, _gauss_legendre, _check_count
+from .._checks import check_int, check_same, check_tensor, shape_str
+from ._paths import check_metric, check_points, gauss_legendre, metric_batch
 from .metric import LowRankMetric
 
-__all__ = [
-    "MetricField",
-    "path_length",
-    "path_energy",
-    "constant_speed",
-    "straight_path",
-    "shortest_path",
-    "ShortestPath",
-]
+__all__ = ["MetricField", "shortest_path"]
 
 _WEIGHTS = ("gaussian", "inverse_distance", "segment")
 
@@ -77,10 +69,10 @@ class MetricField:
         if anchors.dim() != 2 or anchors.shape[0] < 1:
             raise ValueError(f"anchors must have shape [K, m] with K >= 1, got {shape_str(anchors)}")
         K, m = anchors.shape
-        metrics = _check_metric(metrics, "metrics", m, anchors)
-        if tuple(_metric_batch(metrics)) != (K,):
+        metrics = check_metric(metrics, "metrics", m, anchors)
+        if tuple(metric_batch(metrics)) != (K,):
             raise ValueError(
-                f"metrics must have batch shape [K] = [{K}] (one per anchor), got {list(_metric_batch(metrics))}"
+                f"metrics must have batch shape [K] = [{K}] (one per anchor), got {list(metric_batch(metrics))}"
             )
         if weights not in _WEIGHTS:
             raise ValueError(f"weights must be one of {_WEIGHTS}, got {weights!r}")
@@ -232,9 +224,9 @@ def _check_path(path: Tensor, field: MetricField) -> Tensor:
 def _piece_quads(path: Tensor, field: MetricField, quad_points: int) -> tuple[Tensor, Tensor]:
     r""":math:`\dot\gamma^\top G \dot\gamma` at the Gauss nodes of every piece, and the weights (inputs checked)."""
     path = _check_path(path, field)
-    quad_points = _check_count(quad_points, "quad_points", 1)
+    quad_points = check_int(quad_points, "quad_points", 1)
     dp = path[..., 1:, :] - path[..., :-1, :]  # (..., N-1, m)
-    t, w = _gauss_legendre(quad_points, path)
+    t, w = gauss_legendre(quad_points, path)
     nodes = path[..., :-1, None, :] + t[:, None] * dp.unsqueeze(-2)  # (..., N-1, Q, m)
     q = field.quad(nodes, dp.unsqueeze(-2).expand_as(nodes))  # (..., N-1, Q)
     return q, w
@@ -304,10 +296,10 @@ def straight_path(x: Tensor, y: Tensor, n_points: int) -> Tensor:
         :math:`t_k = k / (n_\text{points} - 1)`; the first row is ``x``, the
         last ``y``.
     """
-    x, y = _check_points(x, y)
+    x, y = check_points(x, y)
     if x.dim() != 1 or y.dim() != 1:
         raise ValueError(f"x and y must be single points [m], got x {shape_str(x)} and y {shape_str(y)}")
-    n_points = _check_count(n_points, "n_points", 2)
+    n_points = check_int(n_points, "n_points", 2)
     t = torch.linspace(0, 1, n_points, dtype=x.dtype, device=x.device).unsqueeze(-1)  # (N, 1)
     return (1 - t) * x + t * y
 
@@ -337,9 +329,9 @@ def constant_speed(path: Tensor, field: MetricField, n_points: int | None = None
     path = _check_path(path, field)
     if path.dim() != 2:
         raise ValueError(f"path must be a single polyline [N, m], got {shape_str(path)}")
-    refine = _check_count(refine, "refine", 1)
+    refine = check_int(refine, "refine", 1)
     N, m = path.shape
-    n_out = N if n_points is None else _check_count(n_points, "n_points", 2)
+    n_out = N if n_points is None else check_int(n_points, "n_points", 2)
     s = torch.linspace(0, 1, refine + 1, dtype=path.dtype, device=path.device)[:-1]  # (refine,)
     fine = path[:-1, None, :] + s[:, None] * (path[1:] - path[:-1])[:, None, :]  # (N-1, refine, m)
     fine = torch.cat([fine.reshape(-1, m), path[-1:]], dim=0)  # (F, m)
@@ -454,7 +446,7 @@ def shortest_path(x: Tensor, y: Tensor, field: MetricField, n_points: int = 64, 
     ShortestPath
         ``(path [n_points, m], length [], energy [], n_evals)``.
     """
-    x, y = _check_points(x, y)
+    x, y = check_points(x, y)
     if x.dim() != 1 or y.dim() != 1:
         raise ValueError(f"x and y must be single points [m], got x {shape_str(x)} and y {shape_str(y)}")
     if not isinstance(field, MetricField):
@@ -462,8 +454,8 @@ def shortest_path(x: Tensor, y: Tensor, field: MetricField, n_points: int = 64, 
     check_same(field.anchors, "field.anchors", [("x", x)])
     if x.shape[-1] != field.m:
         raise ValueError(f"x must have shape [{field.m}] (the field's dimension), got {shape_str(x)}")
-    n_points = _check_count(n_points, "n_points", 3)
-    steps = _check_count(steps, "steps", 1)
+    n_points = check_int(n_points, "n_points", 3)
+    steps = check_int(steps, "steps", 1)
     if method not in ("lbfgs", "adam"):
         raise ValueError(f"method must be 'lbfgs' or 'adam', got {method!r}")
     if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):

@@ -31,80 +31,25 @@ or a dense SPD tensor of shape ``[..., m, m]``.
 """
 from __future__ import annotations
 
-
-import numpy as np
 import torch
 from torch import Tensor
 
-from .._checks import broadcast_batch, check_same, check_tensor, shape_str
-from .metric import LowRankMetric
-from .scores import METRIC_SIDES
+from .._checks import METRIC_SIDES, broadcast_batch, check_int
+from ._paths import check_metric, check_points, gauss_legendre, metric_batch, quad
 
 __all__ = ["pair_distance", "segment_length"]
 
 
 
-# --------------------------------------------------------------------- helpers
-def _check_metric(metric, name: str, d: int, like: Tensor):
-    """Validate a metric argument: LowRankMetric or dense [..., d, d] tensor."""
-    if isinstance(metric, LowRankMetric):
-        check_same(like, "x", [(f"{name}.U", metric.U)])
-        if metric.d != d:
-            raise ValueError(f"{name} must be a metric on R^{d}, got a LowRankMetric with d = {metric.d}")
-        return metric
-    if isinstance(metric, Tensor):
-        check_tensor(metric, name, min_dim=2)
-        check_same(like, "x", [(name, metric)])
-        if metric.shape[-2:] != (d, d):
-            raise ValueError(f"{name} must have shape [..., {d}, {d}], got {shape_str(metric)}")
-        return metric
-    raise ValueError(f"{name} must be a LowRankMetric or a dense tensor [..., d, d], got {type(metric).__name__}")
-
-
-def _metric_batch(metric) -> torch.Size:
-    return metric.batch_shape if isinstance(metric, LowRankMetric) else metric.shape[:-2]
-
-
-def _quad(metric, v: Tensor) -> Tensor:
-    r""":math:`v^\top G v` for a LowRankMetric or a dense [..., d, d] tensor."""
-    if isinstance(metric, LowRankMetric):
-        return metric.quad(v)
-    return torch.einsum("...i,...ij,...j->...", v, metric, v)
-
-
-def _check_points(x, y):
-    x = check_tensor(x, "x", min_dim=1)
-    y = check_tensor(y, "y", min_dim=1)
-    check_same(x, "x", [("y", y)])
-    if x.shape[-1] != y.shape[-1]:
-        raise ValueError(f"x and y must have the same last dimension d, got x {shape_str(x)} and y {shape_str(y)}")
-    broadcast_batch({"x.shape[:-1]": x.shape[:-1], "y.shape[:-1]": y.shape[:-1]})
-    return x, y
-
-
-def _gauss_legendre(n: int, like: Tensor) -> tuple[Tensor, Tensor]:
-    """Nodes and weights of n-point Gauss--Legendre quadrature on [0, 1]."""
-    t, w = np.polynomial.legendre.leggauss(n)
-    t = torch.as_tensor((t + 1.0) / 2.0, dtype=like.dtype, device=like.device)
-    w = torch.as_tensor(w / 2.0, dtype=like.dtype, device=like.device)
-    return t, w
-
-
-def _check_count(val, name: str, minimum: int) -> int:
-    if isinstance(val, bool) or not isinstance(val, int) or val < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {val!r}")
-    return val
-
-
 # ------------------------------------------------------------ two-point forms
 def _pair(x, y, metric_x, metric_y):
     """Checked points and metrics: ``(x - y, metric_x, metric_y)``, batch dimensions broadcasting."""
-    x, y = _check_points(x, y)
+    x, y = check_points(x, y)
     d = x.shape[-1]
-    metric_x = _check_metric(metric_x, "metric_x", d, x)
-    metric_y = _check_metric(metric_y, "metric_y", d, x)
+    metric_x = check_metric(metric_x, "metric_x", d, x)
+    metric_y = check_metric(metric_y, "metric_y", d, x)
     broadcast_batch({"x.shape[:-1]": x.shape[:-1], "y.shape[:-1]": y.shape[:-1],
-                     "metric_x batch": _metric_batch(metric_x), "metric_y batch": _metric_batch(metric_y)})
+                     "metric_x batch": metric_batch(metric_x), "metric_y batch": metric_batch(metric_y)})
     return x - y, metric_x, metric_y  # delta: (..., d)
 
 
@@ -131,11 +76,11 @@ def pair_distance(x: Tensor, y: Tensor, metric_x, metric_y, metric_side: str = "
         raise ValueError(f"metric_side must be one of {METRIC_SIDES}, got {metric_side!r}")
     delta, metric_x, metric_y = _pair(x, y, metric_x, metric_y)
     if metric_side == "query":
-        q2 = _quad(metric_x, delta)
+        q2 = quad(metric_x, delta)
     elif metric_side == "key":
-        q2 = _quad(metric_y, delta)
+        q2 = quad(metric_y, delta)
     else:
-        q2 = 0.5 * (_quad(metric_x, delta) + _quad(metric_y, delta))
+        q2 = 0.5 * (quad(metric_x, delta) + quad(metric_y, delta))
     return q2.clamp_min(0).sqrt()
 
 
@@ -178,16 +123,16 @@ def segment_length(x: Tensor, y: Tensor, metric_x, metric_y, method: str = "clos
     """
     if method not in ("closed_form", "quadrature"):
         raise ValueError(f"method must be 'closed_form' or 'quadrature', got {method!r}")
-    n_points = _check_count(n_points, "n_points", 1)
+    n_points = check_int(n_points, "n_points", 1)
     delta, metric_x, metric_y = _pair(x, y, metric_x, metric_y)
-    a = _quad(metric_y, delta).clamp_min(0)  # squared speed at t = 0   (...)
-    b = _quad(metric_x, delta).clamp_min(0)  # squared speed at t = 1   (...)
+    a = quad(metric_y, delta).clamp_min(0)  # squared speed at t = 0   (...)
+    b = quad(metric_x, delta).clamp_min(0)  # squared speed at t = 1   (...)
     if method == "closed_form":
         sa, sb = a.sqrt(), b.sqrt()
         den = sa + sb
         # 0/0 only when delta = 0 (then the length is 0)
         return torch.where(den > 0, (2.0 / 3.0) * (a + sa * sb + b) / den.clamp_min(torch.finfo(x.dtype).tiny),
                            torch.zeros_like(den))
-    t, w = _gauss_legendre(n_points, x)
+    t, w = gauss_legendre(n_points, x)
     vals = ((1 - t) * a.unsqueeze(-1) + t * b.unsqueeze(-1)).clamp_min(0).sqrt()  # (..., n_points)
     return (vals * w).sum(-1)

@@ -19,16 +19,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .._checks import as_positive, broadcast_batch, check_bool, check_same, check_tensor, shape_str
+from .._checks import F32_MAX, as_positive, broadcast_batch, check_bool, check_same, check_tensor, shape_str
 
-__all__ = ["LowRankMetric", "MetricNet", "SubspaceFactors", "LAM_MIN", "lam_from_raw", "raw_from_lam"]
+__all__ = ["LowRankMetric", "MetricNet", "SubspaceFactors"]
 
 #: Default floor :math:`\lambda_{\min}` of every learned isotropic part: with
 #: :math:`\lambda = \mathrm{softplus}(\rho) + \lambda_{\min}` the metric
 #: :math:`G = \lambda I + U U^\top` is uniformly positive definite.
 LAM_MIN = 1e-3
 
-_F32_MAX = float(torch.finfo(torch.float32).max)
+_F32_MAX = F32_MAX  # the name models/config.py imports (until it imports _checks.F32_MAX)
 
 
 def lam_from_raw(rho: Tensor, lam_min: float = LAM_MIN) -> Tensor:
@@ -79,8 +79,8 @@ def raw_from_lam(lam_init: float, lam_min: float = LAM_MIN, *, name: str = "lam_
         raise ValueError(f"lam_min must be > 0, got {lam_min!r}")
     if not lam_init > lam_min:
         raise ValueError(f"{name} must be > lam_min = {lam_min:g} (the floor of lambda), got {lam_init!r}")
-    if lam_init > _F32_MAX:  # rho ~ lam_init would overflow a float32 parameter
-        raise ValueError(f"{name} must be at most {_F32_MAX:.4g} (its raw parameter is a float32), got {lam_init!r}")
+    if lam_init > F32_MAX:  # rho ~ lam_init would overflow a float32 parameter
+        raise ValueError(f"{name} must be at most {F32_MAX:.4g} (its raw parameter is a float32), got {lam_init!r}")
     x = float(lam_init) - float(lam_min)
     # log(expm1(x)) = x + log(1 - exp(-x)): no overflow for large x
     return x + math.log(-math.expm1(-x))

@@ -2,7 +2,7 @@ r"""Rank bounds of Riemannian score matrices: Theorem 1 made checkable.
 
 The score of query :math:`i` and key :math:`j` is
 :math:`s_{ij} = -\frac{\text{scale}}{2}(q_i-k_j)^\top \bar G_{ij}(q_i-k_j)`
-(see :mod:`riemannian_ref.scores`). Expanding the square writes the whole
+(see :mod:`riemannian_ref.geometry.scores`). Expanding the square writes the whole
 matrix :math:`S` as a product :math:`S = L R^\top` with an inner dimension
 :math:`m` that depends only on :math:`d` and on how the metric varies:
 
@@ -26,8 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._checks import broadcast_batch, check_tensor
-from .scores import METRIC_SIDES, _check_score_inputs
+from .._checks import METRIC_SIDES, broadcast_batch, check_score_inputs, check_tensor
 
 __all__ = ["score_rank_bound", "numerical_rank", "non_gram_factors"]
 
@@ -205,7 +204,7 @@ def non_gram_factors(q: Tensor, k: Tensor, U_q: Tensor | None = None, U_k: Tenso
     :math:`O(n d^2 (r + 1))` memory and time. A tool for analysis at small
     :math:`d`, not an attention kernel.
     """
-    lam_t, scale, per_q, per_k = _check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale)
+    lam_t, scale, per_q, per_k = check_score_inputs(q, k, U_q, U_k, lam, metric_side, scale)
     # a side the metric uses but with no factor: G = lam I, a shared factor of rank 0
     if metric_side in ("key", "mean") and U_k is None:
         U_k = q.new_zeros(q.shape[-1], 0)

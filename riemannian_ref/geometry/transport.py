@@ -70,17 +70,7 @@ from torch import Tensor
 
 from .._checks import broadcast_batch, check_same, check_tensor, shape_str
 
-__all__ = [
-    "CONNECTIONS",
-    "rotary_frequencies",
-    "rotate_pairs",
-    "block_rotation_matrix",
-    "transport_angles",
-    "cumulative_phases",
-    "connection_rates",
-    "edge_rule",
-    "compatible_transport",
-]
+__all__: list[str] = []  # reached as riemannian_ref.geometry.transport.NAME (chapter 7); none re-exported
 
 #: The accepted values of ``connection``: no transport, rotary (flat), content-dependent rates
 #: read from both endpoints of an edge (inverse-consistent), or from its source only, or
@@ -110,7 +100,7 @@ def edge_rule(connection: str) -> str:
     return {"content_source": "source", "cumulative": "cumulative"}.get(connection, "mean")
 
 
-def _check_rule(rule: str) -> str:
+def check_rule(rule: str) -> str:
     if rule not in EDGE_RULES:
         raise ValueError(f"rule must be one of {EDGE_RULES}, got {rule!r}")
     return rule
@@ -191,7 +181,7 @@ def block_rotation_matrix(angles: Tensor) -> Tensor:
     return cols.transpose(-1, -2)
 
 
-def _positions(positions: Tensor | None, n: int, like: Tensor) -> Tensor:
+def check_positions(positions: Tensor | None, n: int, like: Tensor) -> Tensor:
     if positions is None:
         return torch.arange(n, dtype=like.dtype, device=like.device)
     positions = check_tensor(positions, "positions", min_dim=1, floating=False)
@@ -222,8 +212,8 @@ def transport_angles(rates: Tensor, positions: Tensor, rule: str = "mean") -> Te
     Tensor, shape [..., n, n, d/2]
         Index ``[..., i, j, m]``; memory :math:`O(n^2 d)` per batch entry.
     """
-    if _check_rule(rule) == "cumulative":
-        phi = _phases(rates, positions)  # (..., n, d/2)
+    if check_rule(rule) == "cumulative":
+        phi = phases_unchecked(rates, positions)  # (..., n, d/2)
         return phi.unsqueeze(-2) - phi.unsqueeze(-3)  # phi_i - phi_j             (..., n_i, n_j, d/2)
     dp = positions.unsqueeze(-1) - positions.unsqueeze(-2)  # p_i - p_j              (..., n, n)
     if rule == "source":
@@ -268,12 +258,12 @@ def cumulative_phases(rates: Tensor, positions: Tensor | None = None) -> Tensor:
         ``rates`` and ``positions``), in the dtype of ``rates``.
     """
     rates = check_tensor(rates, "rates", min_dim=2)
-    p = _positions(positions, rates.shape[-2], rates)
+    p = check_positions(positions, rates.shape[-2], rates)
     broadcast_batch({"rates.shape[:-2]": rates.shape[:-2], "positions.shape[:-1]": p.shape[:-1]})
-    return _phases(rates, p)
+    return phases_unchecked(rates, p)
 
 
-def _phases(rates: Tensor, p: Tensor) -> Tensor:
+def phases_unchecked(rates: Tensor, p: Tensor) -> Tensor:
     """:func:`cumulative_phases` on validated inputs (``p`` in the dtype of ``rates``)."""
     dp = torch.diff(p, dim=-1, prepend=torch.zeros_like(p[..., :1]))  # p_t - p_{t-1}, p_{-1} = 0   (..., n)
     ref = rates[..., :1, :]  # the first token's rate                         (..., 1, d/2)
@@ -384,7 +374,7 @@ def compatible_transport(G_i: Tensor, G_j: Tensor, rotation: Tensor | None = Non
 # --------------------------------------------------------------------------- attention
 
 
-def _rotate_factor(U: Tensor, angles: Tensor) -> Tensor:
+def rotate_factor(U: Tensor, angles: Tensor) -> Tensor:
     """Rotate every column of U [..., n, d, r] by angles [..., n, d/2]."""
     Ut = U.transpose(-1, -2)  # (..., n, r, d)
     return rotate_pairs(Ut, angles.unsqueeze(-2)).transpose(-1, -2)  # (..., n, d, r)
