@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import riemannian_ref as rr
 from riemannian_ref.geometry.transport import CONNECTIONS
-from riemannian_ref.models import MODES, FiberBundleOutput
+from riemannian_ref.models import MODES
+from riemannian_ref.models.transformer import FiberBundleOutput
 
 from _helpers import Boom, payload_globals
 

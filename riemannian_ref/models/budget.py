@@ -18,7 +18,7 @@ from .._checks import check_bool, check_choice, check_int as _pos_int
 from .config import FiberBundleConfig
 from .transformer import FiberBundleTransformer
 
-__all__ = ["attention_flops", "count_parameters", "estimate_cost", "match_width"]
+__all__ = ["count_parameters", "estimate_cost", "match_width"]
 
 _COMPONENTS = ("embedding", "positions", "attention", "metric", "connection", "ffn", "ffn_metric",
                "norms", "head")
@@ -234,7 +234,7 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
 
     Matrix products (2 FLOPs per multiply-add) are counted as the kernels
     execute them, the pairwise ones by
-    :func:`~riemannian_ref.models.attention_flops`: SDPA (FlashAttention-2)
+    :func:`~riemannian_ref.models.budget.attention_flops`: SDPA (FlashAttention-2)
     for dot products, for one metric per head at head size :math:`d + 1` and
     for ``metric_subspace = m`` at :math:`d + m(m+1)/2 + 1` (``"mean"``:
     :math:`d + m + m(m+1) + 1`, with the lift's per-token products); the

@@ -54,7 +54,7 @@ from ..attention.layer import RiemannianAttention
 from ..geometry.metric import LowRankMetric, MetricNet, SubspaceFactors
 from .config import FiberBundleConfig
 
-__all__ = ["FiberBundleOutput", "FiberBundleTransformer"]
+__all__ = ["FiberBundleTransformer"]
 
 
 class FiberBundleOutput(NamedTuple):
