@@ -9,6 +9,13 @@ intact. :func:`read` loads a file with ``weights_only=True``, so no code
 stored in a file ever runs: a file holding a pickled callable or any other
 object is refused before anything in it is called.
 
+The file holds the whole model and optimiser state as one process writes
+them (``state_dict()``, parameters by index), also for a model sharded by
+FSDP2's ``fully_shard``: its state is gathered to rank 0 to be written and
+scattered again at a resume (torch's ``get_model_state_dict`` family), so a
+checkpoint moves between one process, DDP and FSDP2. Each rank's batch-sampler
+and global RNG states are kept.
+
 :func:`resume` checks the whole file before anything is loaded into the
 caller's objects, then restores the model, the optimiser, the batch sampler
 and torch's global RNG together, or none of them. Every problem is a
@@ -606,7 +613,7 @@ def restore(blob: dict, path: str, *, config, module: nn.Module, optimizer: torc
 
 def save(path: str, *, config, module: nn.Module, optimizer: torch.optim.Optimizer, sampler: torch.Generator,
          rank: int, world_size: int, progress: dict[str, Any]) -> None:
-    """Write the run's state (rank 0 writes; every rank's batch-sampler state is gathered first).
+    """Write the run's state (rank 0 writes; every rank's batch-sampler and RNG states are gathered first).
 
     ``progress`` holds ``history``, ``step``, ``train_time_s``, ``tokens_seen``,
     ``loss_since`` and ``n_since``.

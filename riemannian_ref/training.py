@@ -44,8 +44,8 @@ and metrics are all-reduced so every rank returns the same history. With
 ``fully_shard`` instead (each module of ``model.blocks``, then the root;
 rank 0's initial weights, as DDP takes them), with the same batches, losses
 and history; checkpoints hold the whole model and optimiser state, as a
-single process writes them. Nothing here prints; a ``tqdm`` bar is drawn only when ``config.progress`` is true
-(and only on rank 0).
+single process writes them. Nothing here prints; a ``tqdm`` bar is drawn
+only when ``config.progress`` is true (and only on rank 0).
 """
 from __future__ import annotations
 
@@ -110,8 +110,8 @@ def attention_diagnostics(model: nn.Module, *args, **kwargs) -> dict[str, list[f
     of every :class:`~riemannian_ref.attention.layer.RiemannianAttention` in
     it (module order) and running each such layer again on them with
     ``return_weights=True`` (within its forward, where an FSDP2 model's
-    weights are gathered: every rank calls it then). Nothing changes in the model (its training mode
-    is restored) and nothing is drawn from any RNG.
+    weights are gathered: every rank calls it then). Nothing changes in the
+    model (its training mode is restored) and nothing is drawn from any RNG.
 
     Parameters
     ----------
@@ -540,6 +540,9 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
         raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     if _checkpoint.is_sharded(model) and config.parallel != "fsdp":
         raise ValueError("model is sharded by fully_shard (FSDP2): train it with TrainConfig(parallel='fsdp')")
+    if isinstance(model, nn.parallel.DistributedDataParallel) and config.parallel != "ddp":
+        raise ValueError("model is wrapped in DistributedDataParallel: pass the plain module to shard it with "
+                         "parallel='fsdp'")
     model.to(device)
     module = model
     if world > 1 and config.parallel == "fsdp" and not _checkpoint.is_sharded(model):
@@ -549,9 +552,8 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
             model, device_ids=[device.index] if device.type == "cuda" else None)
         module = model.module
     sharded = _checkpoint.is_sharded(module)
-    own = {id(p) for p in module.parameters()}
-    if sharded and optimizer is not None and any(id(p) not in own for g in optimizer.param_groups
-                                                 for p in g["params"]):
+    own = {id(p) for p in module.parameters()} if sharded and optimizer is not None else None
+    if own is not None and any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
         raise ValueError("optimizer must be built over the sharded model's parameters (fully_shard replaces "
                          "them): with parallel='fsdp' shard the model before building it, or pass none")
     n_params = _count_params(module)

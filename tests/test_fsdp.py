@@ -4,7 +4,6 @@ the same global batch; checkpoints written sharded resume; files and checkpoints
 One spawn runs every case (importing torch twice is most of its time)."""
 import os
 import shutil
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,8 @@ import torch.multiprocessing as mp
 
 import riemannian_ref as rr
 from riemannian_ref import _checkpoint, data
+
+from test_training import _free_port, _init_gloo  # the DDP test's two gloo processes
 
 #: every mode, and the variants users reach: per-position and per-head metrics, a metric subspace, a
 #: learned temperature, both metric forms, the preconditioned FFN (its eta) with and without the connection
@@ -48,17 +49,9 @@ def _cfg(**kw):
     return rr.TrainConfig(**{**base, **kw})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _init_gloo(rank, world, port)
     try:
         tr, va = _data()
         out = {}
@@ -92,6 +85,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             rr.train(model, tr, va, _cfg())
         except ValueError as exc:
             out["ddp_error"] = str(exc)
+        # the model train() sharded, now with an optimiser the caller built over it
+        opt = torch.optim.SGD(model.parameters(), lr=SGD["lr"], momentum=0.9)
+        rr.train(model, tr, va, _cfg(parallel="fsdp", **SGD), optimizer=opt)
+        out["caller_sharded"] = {"state": _checkpoint.model_state(model)}
         if rank == 0:
             torch.save(out, os.path.join(out_dir, "fsdp.pt"))
     finally:
@@ -167,9 +164,11 @@ def test_fsdp_checkpoint_resumes(two_ranks):
     assert all(opt.state[p]["momentum_buffer"].shape == p.shape for g in opt.param_groups for p in g["params"])
 
 
-def test_fsdp_refusals(two_ranks):
+def test_fsdp_takes_a_sharded_model_and_refuses_misuse(two_ranks):
     assert "optimizer must be built over the sharded model's parameters" in two_ranks["stale_error"]
     assert "parallel='fsdp'" in two_ranks["ddp_error"]
+    for k, v in two_ranks["euclidean"]["state"].items():
+        torch.testing.assert_close(two_ranks["caller_sharded"]["state"][k], v, rtol=RTOL, atol=1e-7, msg=k)
     with pytest.raises(ValueError, match="parallel"):
         rr.TrainConfig(parallel="zero")
 
