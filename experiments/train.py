@@ -11,6 +11,10 @@ each rank training on its own shard of the examples:
 
     torchrun --nproc_per_node 2 experiments/train.py --task recall --mode euclidean ...
 
+or with the model sharded by FSDP2 (``fully_shard``: each block, then the root) instead of replicated:
+
+    torchrun --nproc_per_node 2 experiments/train.py --task recall --mode fiber_bundle ... --fsdp
+
 Configs can also come from a small JSON file (``--config cfg.json``) holding
 ``{"task": {...}, "model": {...}, "train": {...}}``; command-line flags given
 explicitly override it. Checkpoints go to ``checkpoints/`` (git-ignored);
@@ -212,6 +216,8 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
                          "(default), apply the new ones, or keep the checkpoint's")
     ap.add_argument("--stop-at-step", type=int, help="stop early, checkpointed (resume later)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="under torchrun, shard the model with FSDP2 (fully_shard) instead of DDP")
     a = ap.parse_args(argv)
 
     cfg = RunConfig()
@@ -225,7 +231,7 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     train = {"optimizer": a.optimizer, "lr": a.lr, "weight_decay": a.weight_decay, "schedule": a.schedule,
              "warmup_steps": a.warmup_steps, "steps": a.steps, "batch_size": a.batch_size,
              "eval_interval": a.eval_interval, "seed": a.seed, "device": a.device,
-             "stop_at_step": a.stop_at_step}
+             "stop_at_step": a.stop_at_step, "parallel": "fsdp" if a.fsdp else None}
     upd = {"task": {k: v for k, v in task.items() if v is not None},
            "model": {k: v for k, v in model.items() if v is not None},
            "train": {k: v for k, v in train.items() if v is not None}}

@@ -9,6 +9,13 @@ intact. :func:`read` loads a file with ``weights_only=True``, so no code
 stored in a file ever runs: a file holding a pickled callable or any other
 object is refused before anything in it is called.
 
+The file holds the whole model and optimiser state as one process writes
+them (``state_dict()``, parameters by index), also for a model sharded by
+FSDP2's ``fully_shard``: its state is gathered to rank 0 to be written and
+scattered again at a resume (torch's ``get_model_state_dict`` family), so a
+checkpoint moves between one process, DDP and FSDP2. Each rank's batch-sampler
+and global RNG states are kept.
+
 :func:`resume` checks the whole file before anything is loaded into the
 caller's objects, then restores the model, the optimiser, the batch sampler
 and torch's global RNG together, or none of them. Every problem is a
@@ -44,6 +51,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ._io import atomic_write
+
+try:  # FSDP2 (torch >= 2.6): a module sharded by fully_shard holds DTensor parameters
+    from torch.distributed.fsdp import FSDPModule as _FSDP
+    from torch.distributed.tensor import DTensor as _DTENSOR
+except ImportError:  # no FSDP2 here: isinstance(x, ()) is always false
+    _FSDP = _DTENSOR = ()
 
 __all__: list[str] = []  # private module
 
@@ -94,6 +107,83 @@ def model_config(module: nn.Module) -> dict | None:
     return None
 
 
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is sharded by FSDP2's ``fully_shard`` (its state is then spread over the ranks)."""
+    return isinstance(module, _FSDP)
+
+
+def full(t: Tensor) -> Tensor:
+    """The whole tensor: a DTensor's shards gathered (a collective: every rank calls it), any other as is."""
+    return t.full_tensor() if isinstance(t, _DTENSOR) else t
+
+
+def nonfinite_params(module: nn.Module) -> list[tuple[str, int, int]]:
+    """``(name, non-finite entries, entries)`` of every parameter with a non-finite entry; a sharded
+    module's counts are summed over the ranks (a collective)."""
+    params = [(n, p.detach()) for n, p in module.named_parameters() if p.is_floating_point()]
+    counts = torch.tensor([int((~torch.isfinite(p.to_local() if isinstance(p, _DTENSOR) else p)).sum())
+                           for _, p in params], dtype=torch.int64)
+    if is_sharded(module):
+        dist.all_reduce(counts)
+    return [(n, int(k), p.numel()) for (n, p), k in zip(params, counts) if k]
+
+
+def _full_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def model_state(module: nn.Module) -> dict[str, Tensor]:
+    """The module's whole state dict; a sharded module's is gathered to rank 0's CPU (every rank calls it)."""
+    if not is_sharded(module):
+        return module.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_full_options(cpu_offload=True))
+
+
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer.state_dict()``; for a sharded module the whole state, gathered to rank 0's CPU (every
+    rank calls it) and keyed by parameter index as a single process writes it."""
+    if not is_sharded(module):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(module, optimizer, options=_full_options(cpu_offload=True))
+    if not osd:  # ranks other than 0 receive nothing
+        return osd
+    index = {name: i for i, name in enumerate(n for g in osd["param_groups"] for n in g["params"])}
+    return {"state": {index[n]: v for n, v in osd["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]]}
+
+
+def _load_model_state(module: nn.Module, state: dict[str, Tensor]) -> None:
+    if not is_sharded(module):
+        module.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(module, state, options=_full_options())  # every rank holds the whole file
+
+
+def _load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    if not is_sharded(module):
+        optimizer.load_state_dict(saved)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    names = {id(p): n for n, p in module.named_parameters()}
+    name = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]  # by index, as saved
+    keys = [set(g) for g in optimizer.param_groups]  # torch's loader takes no key the groups lack (peak_lr)
+    osd = {"state": {name[i]: v for i, v in saved["state"].items()},
+           "param_groups": [{k: (v if k != "params" else [name[i] for i in v]) for k, v in g.items() if k in mine}
+                            for g, mine in zip(saved["param_groups"], keys)]}
+    set_optimizer_state_dict(module, optimizer, osd, options=_full_options())
+    for g, s in zip(optimizer.param_groups, saved["param_groups"]):  # every saved key, as load_state_dict does
+        g.update({k: v for k, v in s.items() if k != "params"})
+
+
 def write(path: str, payload: dict[str, Any]) -> None:
     """Save ``payload`` (the keys of the schema, ``format`` added here) to ``path`` atomically.
 
@@ -138,6 +228,11 @@ def read(path: str, map_location=None) -> dict[str, Any]:
                              f"{type(t).__name__}, not a tensor")
     if not all(isinstance(s, Tensor) and s.dtype == torch.uint8 for s in blob["sampler"]):
         raise ValueError(f"checkpoint {path!r} is damaged: 'sampler' must hold uint8 generator states")
+    rngs = blob.get("torch_rngs", [torch.zeros(0, dtype=torch.uint8)] * blob["world_size"])  # absent from older files
+    if not (isinstance(rngs, list) and len(rngs) == blob["world_size"]
+            and all(isinstance(s, Tensor) and s.dtype == torch.uint8 for s in rngs)):
+        raise ValueError(f"checkpoint {path!r} is damaged: 'torch_rngs' must hold one uint8 generator state "
+                         f"per rank ({blob['world_size']})")
     if len(blob["sampler"]) != blob["world_size"] or blob["step"] < 0:
         raise ValueError(f"checkpoint {path!r} is damaged: {len(blob['sampler'])} sampler states for world "
                          f"size {blob['world_size']}, step {blob['step']}")
@@ -415,6 +510,8 @@ def validate(blob: dict, path: str, *, config, module: nn.Module, optimizer: tor
         Naming ``path`` and the field.
     """
     _check_generator_state(blob["torch_rng"], path, "'torch_rng' (torch's global RNG state)")
+    for r, s in enumerate(blob.get("torch_rngs", ())):
+        _check_generator_state(s, path, f"'torch_rngs' state of rank {r}")
     for r, s in enumerate(blob["sampler"]):
         _check_generator_state(s, path, f"'sampler' state of rank {r}")
     step = blob["step"]
@@ -482,9 +579,14 @@ def restore(blob: dict, path: str, *, config, module: nn.Module, optimizer: torc
     before_sampler, before_rng = sampler.get_state(), torch.get_rng_state()
     stage = "the model's state"
     try:
-        module.load_state_dict(blob["model"])
-        stage = "the optimiser's state"
-        optimizer.load_state_dict(blob["optimizer"])
+        if is_sharded(module):  # torch's loader steps a fresh optimiser once (lr 0): the weights load after
+            stage = "the optimiser's state"
+            _load_optimizer_state(module, optimizer, blob["optimizer"])
+            stage = "the model's state"
+        _load_model_state(module, blob["model"])
+        if not is_sharded(module):
+            stage = "the optimiser's state"
+            optimizer.load_state_dict(blob["optimizer"])
         if hdiffs and config.resume_hparams == "new":
             for g, mine in zip(optimizer.param_groups, now_groups):
                 lr = g.get("lr")
@@ -497,7 +599,7 @@ def restore(blob: dict, path: str, *, config, module: nn.Module, optimizer: torc
         stage = "the batch sampler's state"
         sampler.set_state(blob["sampler"][rank].cpu())
         stage = "torch's global RNG state"
-        torch.set_rng_state(blob["torch_rng"].cpu())
+        torch.set_rng_state(blob.get("torch_rngs", [blob["torch_rng"]] * (rank + 1))[rank].cpu())
     except Exception as exc:  # all or nothing
         module.load_state_dict(before_model)
         optimizer.load_state_dict(before_opt)
@@ -513,13 +615,9 @@ def restore(blob: dict, path: str, *, config, module: nn.Module, optimizer: torc
                       UserWarning, stacklevel=4)
 
 
-def _nonfinite_params(module: nn.Module) -> list[str]:
-    return [n for n, p in module.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
-
-
 def save(path: str, *, config, module: nn.Module, optimizer: torch.optim.Optimizer, sampler: torch.Generator,
          rank: int, world_size: int, progress: dict[str, Any]) -> None:
-    """Write the run's state (rank 0 writes; every rank's batch-sampler state is gathered first).
+    """Write the run's state (rank 0 writes; every rank's batch-sampler and RNG states are gathered first).
 
     ``progress`` holds ``history``, ``step``, ``train_time_s``, ``tokens_seen``,
     ``loss_since`` and ``n_since``.
@@ -530,18 +628,20 @@ def save(path: str, *, config, module: nn.Module, optimizer: torch.optim.Optimiz
         Naming the parameters, if one is not finite: nothing is written, the
         previous checkpoint stays as it was.
     """
-    bad = _nonfinite_params(module)
+    bad = [n for n, _, _ in nonfinite_params(module)]
     if bad:
         raise FloatingPointError(f"refusing to write checkpoint {path!r}: parameter(s) {bad[:5]} are not finite; "
                                  f"the previous checkpoint is left as it was")
-    states = [sampler.get_state()]
-    if world_size > 1:  # every rank's batch-order state, so resume is exact on all ranks
-        states = [torch.empty_like(states[0]) for _ in range(world_size)]
-        dist.all_gather_object(states, sampler.get_state())
+    states = [(sampler.get_state(), torch.get_rng_state())]
+    if world_size > 1:  # every rank's batch-order and RNG states, so resume is exact on all ranks
+        mine, states = states[0], [None] * world_size
+        dist.all_gather_object(states, mine)
+    model, opt = model_state(module), optimizer_state(module, optimizer)  # gathered to rank 0 when sharded
     if rank == 0:
-        write(path, {"model": module.state_dict(), "model_config": model_config(module),
-                     "optimizer": optimizer.state_dict(), "optimizer_class": optimizer_class(optimizer),
-                     "sampler": states, "torch_rng": torch.get_rng_state(), "world_size": world_size,
+        write(path, {"model": model, "model_config": model_config(module),
+                     "optimizer": opt, "optimizer_class": optimizer_class(optimizer),
+                     "sampler": [s for s, _ in states], "torch_rng": states[0][1],
+                     "torch_rngs": [r for _, r in states], "world_size": world_size,
                      "config": dataclasses.asdict(config), **progress})
     if world_size > 1:
         dist.barrier()
@@ -556,10 +656,36 @@ def resume(path: str, *, config, module: nn.Module, optimizer: torch.optim.Optim
     ``tokens_seen``, ``loss_since`` and ``n_since`` continue the run.
     """
     ck = read(path, map_location=device)
+    _vector_scalars(ck, module, optimizer)
     hdiffs = check_same_run(ck, path, config=config, module=module, optimizer=optimizer, world_size=world_size)
     validate(ck, path, config=config, module=module, optimizer=optimizer)
     restore(ck, path, config=config, module=module, optimizer=optimizer, sampler=sampler, rank=rank, hdiffs=hdiffs)
     return ck
+
+
+def _vector_scalars(blob: dict, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Reshape to (1,) the 0-d parameters of an older checkpoint that are (1,) now, and their optimiser state.
+
+    FSDP2 shards no 0-d parameter, so the fibre-bundle block's ``eta`` became
+    (1,): the same one number. An optimiser-state tensor is reshaped where the
+    optimiser now keeps a (1,) tensor (one dry step on clones tells), not a
+    step count.
+    """
+    state, ref = blob["optimizer"].get("state"), None
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    for name, p in module.named_parameters():
+        t = blob["model"].get(name)
+        if not (isinstance(t, Tensor) and t.dim() == 0 and tuple(p.shape) == (1,)):
+            continue
+        blob["model"][name] = t.reshape(1)
+        entry = state.get(index.get(id(p))) if isinstance(state, dict) else None
+        if isinstance(entry, dict):
+            ref = _reference_state(optimizer) if ref is None else ref
+            want = (ref or {}).get(index[id(p)], {})
+            for k, v in entry.items():
+                if isinstance(v, Tensor) and v.dim() == 0 and isinstance(want.get(k), Tensor) \
+                        and tuple(want[k].shape) == (1,):
+                    entry[k] = v.reshape(1)
 
 
 def diverged(step: int, what: str, path: str | None, last_saved: int | None, *,

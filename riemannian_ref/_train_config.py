@@ -54,7 +54,7 @@ class TrainConfig:
     steps : int, default 1000
         Total optimiser steps; defines the schedule and the final evaluation.
     batch_size : int or None, default 32
-        Global batch size: under DDP each of the ranks takes
+        Global batch size: under DDP or FSDP2 each of the ranks takes
         ``batch_size / world_size`` (it must divide). Batches are drawn
         uniformly with replacement from the (rank's shard of the) training
         examples. None: full batch, every step uses all (the rank's shard of
@@ -95,8 +95,8 @@ class TrainConfig:
         A checkpoint of another run is refused, listing the differences: the
         fields of this config that define the run (all but ``device``,
         ``progress``, ``checkpoint_path``, ``resume``, ``resume_hparams``,
-        ``stop_at_step``, ``eval_batch_size``, ``diagnostics`` and
-        ``entropy_floor``), the model's ``config`` when
+        ``stop_at_step``, ``eval_batch_size``, ``diagnostics``,
+        ``entropy_floor`` and ``parallel``), the model's ``config`` when
         it has one, its parameter and buffer names and shapes, the optimiser's
         class, the sizes of its parameter groups and their hyper-parameters
         (see ``resume_hparams``), and the number of processes. A damaged file
@@ -121,6 +121,15 @@ class TrainConfig:
         every row (chapter 13 of the book: an unbounded metric does). Tasks
         that need one-hot attention (retrieval) reach it legitimately: set
         None there. Needs ``diagnostics > 0``.
+    parallel : {"ddp", "fsdp"}, default "ddp"
+        How :func:`train` spreads the model over more than one process:
+        ``"ddp"`` wraps it in
+        :class:`~torch.nn.parallel.DistributedDataParallel`; ``"fsdp"``
+        shards it with FSDP2's ``fully_shard`` (each module of
+        ``model.blocks``, then the root, as torchtitan does), or takes a
+        model the caller sharded. The same function is computed either way,
+        and a checkpoint of one resumes under the other, so it does not
+        define the run. Ignored by a single process.
     resume_hparams : {"refuse", "new", "checkpoint"}, default "refuse"
         What a resume does when the optimiser's hyper-parameters differ from
         the checkpoint's (every key of every parameter group except
@@ -159,6 +168,7 @@ class TrainConfig:
     resume_hparams: str = "refuse"  # changed optimiser hyper-parameters at a resume: "refuse", "new", "checkpoint"
     diagnostics: int = 8  # validation examples for the attention entropy and metric size at every evaluation
     entropy_floor: float | None = 0.1  # warn once per layer when its mean attention entropy (nats) falls below
+    parallel: str = "ddp"  # over several processes: "ddp" (DistributedDataParallel) or "fsdp" (FSDP2 fully_shard)
 
     def __post_init__(self):
         if isinstance(self.betas, list):  # from JSON
@@ -203,12 +213,14 @@ class TrainConfig:
         check_int(self.diagnostics, "diagnostics", 0)
         if self.entropy_floor is not None:
             check_number(self.entropy_floor, "entropy_floor", low=0.0)
+        check_choice(self.parallel, "parallel", ("ddp", "fsdp"))
 
     def run_fields(self) -> dict:
         """The fields that define the run, as a dict: all but where it runs, how it reports, where it is
-        saved, when this process stops, the evaluation batch size, and what a resume does with changed
-        optimiser hyper-parameters (``device``, ``progress``, ``checkpoint_path``, ``resume``,
-        ``stop_at_step``, ``eval_batch_size``, ``resume_hparams``, ``diagnostics``, ``entropy_floor``).
+        saved, when this process stops, the evaluation batch size, what a resume does with changed
+        optimiser hyper-parameters, and how processes share the model (``device``, ``progress``,
+        ``checkpoint_path``, ``resume``, ``stop_at_step``, ``eval_batch_size``, ``resume_hparams``,
+        ``diagnostics``, ``entropy_floor``, ``parallel``).
         A resume compares them."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in _NON_RUN_FIELDS}
 
@@ -219,7 +231,7 @@ class TrainConfig:
 
 # what does not change what is computed (TrainConfig.run_fields leaves these out)
 _NON_RUN_FIELDS = ("device", "progress", "checkpoint_path", "resume", "stop_at_step", "eval_batch_size",
-                   "resume_hparams", "diagnostics", "entropy_floor")
+                   "resume_hparams", "diagnostics", "entropy_floor", "parallel")
 
 #: Largest ``TrainConfig.seed``: the batch sampler's seed ``seed * 1_000_003 + rank`` stays within 64 bits.
 _MAX_SEED = 2 ** 44

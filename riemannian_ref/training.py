@@ -39,9 +39,13 @@ more than one process, :func:`train` wraps the model in
 :class:`~torch.nn.parallel.DistributedDataParallel`, each rank draws its
 batches from its own shard of the training examples (``rank::world_size``),
 ``batch_size`` is the global batch (split evenly across ranks), and losses
-and metrics are all-reduced so every rank returns the same history. Nothing
-here prints; a ``tqdm`` bar is drawn only when ``config.progress`` is true
-(and only on rank 0).
+and metrics are all-reduced so every rank returns the same history. With
+``TrainConfig(parallel="fsdp")`` it shards the model with FSDP2's
+``fully_shard`` instead (each module of ``model.blocks``, then the root;
+rank 0's initial weights, as DDP takes them), with the same batches, losses
+and history; checkpoints hold the whole model and optimiser state, as a
+single process writes them. Nothing here prints; a ``tqdm`` bar is drawn
+only when ``config.progress`` is true (and only on rank 0).
 """
 from __future__ import annotations
 
@@ -94,9 +98,10 @@ def attention_diagnostics(model: nn.Module, *args, **kwargs) -> dict[str, list[f
 
     Runs ``model(*args, **kwargs)`` once in eval mode, recording the inputs
     of every :class:`~riemannian_ref.attention.layer.RiemannianAttention` in
-    it (module order), then runs each such layer again on its inputs with
-    ``return_weights=True``. Nothing changes in the model (its training mode
-    is restored) and nothing is drawn from any RNG.
+    it (module order) and running each such layer again on them with
+    ``return_weights=True`` (within its forward, where an FSDP2 model's
+    weights are gathered: every rank calls it then). Nothing changes in the
+    model (its training mode is restored) and nothing is drawn from any RNG.
 
     Parameters
     ----------
@@ -123,24 +128,28 @@ def attention_diagnostics(model: nn.Module, *args, **kwargs) -> dict[str, list[f
     from .analysis.collapse import attention_entropy
 
     _check_module(model)
-    layers = [m for m in model.modules() if isinstance(m, RiemannianAttention)]
-    seen: list[tuple[nn.Module, tuple, dict]] = []
-    handles = [m.register_forward_pre_hook(lambda mod, a, kw: seen.append((mod, a, dict(kw))), with_kwargs=True)
-               for m in layers]
-    was = model.training
-    try:
-        model.eval()
+    ent, eig, busy = [], [], []
+
+    def measure(mod, a, kw, out):  # within the layer's forward: an FSDP2 unit's weights are gathered there
+        if busy:  # the measuring call itself
+            return
+        busy.append(mod)
         try:
-            model(*args, **kwargs)
-        finally:
-            for h in handles:  # before the layers run again below
-                h.remove()
-        ent, eig = [], []
-        for mod, a, kw in seen:
             _, A = mod(*a, **{**kw, "return_weights": True})
             ent.append(float(attention_entropy(A.float()).mean()))
             eig.append(_metric_top_eig(mod, a, kw))
+        finally:
+            busy.pop()
+
+    handles = [m.register_forward_hook(measure, with_kwargs=True)
+               for m in model.modules() if isinstance(m, RiemannianAttention)]
+    was = model.training
+    try:
+        model.eval()
+        model(*args, **kwargs)
     finally:
+        for h in handles:
+            h.remove()
         model.train(was)
     return {"attn_entropy": ent, "metric_eig": eig}
 
@@ -232,7 +241,9 @@ def evaluate(model: nn.Module, data: TaskData, *, batch_size: int = 256, device:
     are all-reduced, so every rank returns the metrics of the whole set.
     Runs without gradients in eval mode and restores the model's
     training/eval mode afterwards; a ``DistributedDataParallel`` wrapper is
-    unwrapped first.
+    unwrapped first. A model sharded by FSDP2's ``fully_shard`` gathers its
+    weights in every forward, so every rank must call this, and every rank
+    runs as many forwards (a shorter shard repeats one example, uncounted).
 
     Parameters
     ----------
@@ -274,11 +285,16 @@ def evaluate(model: nn.Module, data: TaskData, *, batch_size: int = 256, device:
         model = model.module
     n = len(data) if max_examples is None else min(len(data), max_examples)
     idx = torch.arange(rank, n, world)
+    # FSDP2 gathers weights from every rank in each forward: all ranks run rank 0's number of batches
+    n_batches = math.ceil((math.ceil(n / world) if _checkpoint.is_sharded(model) else len(idx)) / batch_size)
     was_training = model.training
     model.eval()
     loss_sum = correct = seq_right = n_scored = 0.0
-    for start in range(0, len(idx), batch_size):
+    for start in range(0, n_batches * batch_size, batch_size):
         b = idx[start:start + batch_size]
+        if len(b) == 0:  # this rank's shard is done: a forward for the other ranks' sake
+            model(data.x[:1].to(device))
+            continue
         x, y, m = data.x[b].to(device), data.y[b].to(device), data.mask[b].to(device)
         logits = logits_of(model(x))
         loss_sum += masked_cross_entropy(logits, y, m, reduction="sum").item()
@@ -311,7 +327,7 @@ def _total_norm(tensors: list[Tensor], ord: float = 2.0) -> Tensor:
         return torch.zeros(())
     total = getattr(nn.utils, "get_total_norm", None)  # torch >= 2.6: one fused pass
     if total is not None:
-        return total(tensors, norm_type=ord)
+        return _checkpoint.full(total(tensors, norm_type=ord))  # of DTensors (FSDP2): reduced over the ranks
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float(), ord) for t in tensors]), ord)
 
 
@@ -352,8 +368,7 @@ def _check_checkpoint_path(path: str, rank: int, world: int) -> None:
 
 def _check_finite_params(module: nn.Module) -> None:
     """Refuse non-finite parameters before any step or evaluation, naming them."""
-    bad = [(n, int((~torch.isfinite(p.detach())).sum()), p.numel()) for n, p in module.named_parameters()
-           if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
+    bad = _checkpoint.nonfinite_params(module)
     if bad:
         names = ", ".join(f"{n!r} ({k} of {m} entries)" for n, k, m in bad[:5])
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
@@ -398,6 +413,20 @@ def _check_outputs(module: nn.Module, train_data: TaskData, val_data: TaskData, 
                              f"{n_out} per position; build the model with as many outputs as {name}.out_dim")
 
 
+def _fully_shard(model: nn.Module, device: torch.device, world: int) -> None:
+    """FSDP2 as torchtitan applies it, in place: each module of ``model.blocks`` is a unit, then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    for t in (*model.parameters(), *model.buffers()):  # rank 0's initial weights, as DDP takes them
+        dist.broadcast(t.detach(), 0)
+    mesh = init_device_mesh(device.type, (world,))
+    blocks = getattr(model, "blocks", None)
+    for block in blocks if isinstance(blocks, nn.ModuleList) else ():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: TrainConfig, *,
           optimizer: torch.optim.Optimizer | None = None, hooks: Sequence[Hook] = ()) -> TrainResult:
     """Train ``model`` on ``train_data``, evaluating on ``val_data``.
@@ -407,12 +436,16 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
     model : nn.Module
         ``model(idx [B, n]) -> logits [B, n, C]`` (or a tuple or dict holding
         them, :func:`logits_of`); moved to ``config.device``. Under DDP pass
-        the plain module: it is wrapped here.
+        the plain module: it is wrapped here. Under ``parallel="fsdp"`` pass
+        the plain module (sharded here, in place) or one the caller sharded
+        with ``fully_shard``, which ``parallel="ddp"`` refuses.
     train_data, val_data : TaskData
     config : TrainConfig
     optimizer : torch.optim.Optimizer, optional
         Built by the caller over the model's parameters (e.g. a
-        :class:`~riemannian_ref.optim.adam.StiefelAdam` with its own groups);
+        :class:`~riemannian_ref.optim.adam.StiefelAdam` with its own groups;
+        under ``parallel="fsdp"`` over the sharded model's, so the caller
+        shards it first);
         each group's ``lr`` is its peak rate, which the schedule of ``config``
         scales (warm-up, cosine); each group gets a ``peak_lr`` key holding it.
         None: AdamW or SGD as ``config`` says, with no weight decay on
@@ -493,15 +526,27 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
     if len(shard) == 0:
         raise ValueError(f"rank {rank} has no training examples ({len(train_data)} examples, world {world})")
 
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    if _checkpoint.is_sharded(model) and config.parallel != "fsdp":
+        raise ValueError("model is sharded by fully_shard (FSDP2): train it with TrainConfig(parallel='fsdp')")
+    if isinstance(model, nn.parallel.DistributedDataParallel) and config.parallel != "ddp":
+        raise ValueError("model is wrapped in DistributedDataParallel: pass the plain module to shard it with "
+                         "parallel='fsdp'")
     model.to(device)
     module = model
-    if world > 1 and not isinstance(model, nn.parallel.DistributedDataParallel):
+    if world > 1 and config.parallel == "fsdp" and not _checkpoint.is_sharded(model):
+        _fully_shard(model, device, world)
+    elif world > 1 and config.parallel == "ddp" and not isinstance(model, nn.parallel.DistributedDataParallel):
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
         module = model.module
+    sharded = _checkpoint.is_sharded(module)
+    own = {id(p) for p in module.parameters()} if sharded and optimizer is not None else None
+    if own is not None and any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("optimizer must be built over the sharded model's parameters (fully_shard replaces "
+                         "them): with parallel='fsdp' shard the model before building it, or pass none")
     n_params = _count_params(module)
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     opt = optimizer if optimizer is not None else _make_optimizer(module, config)
     sampler = torch.Generator().manual_seed(config.seed * 1_000_003 + rank)
     history = _empty_history()
@@ -526,6 +571,8 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
         g.setdefault("peak_lr", g["lr"])
 
     def params_finite() -> bool:
+        if sharded:  # a rank's shard of a small parameter may be empty, which has no inf-norm
+            return not _checkpoint.nonfinite_params(module)
         return math.isfinite(float(_total_norm([p.detach() for p in module.parameters()], math.inf)))
 
     def overflowed(at: int) -> FloatingPointError:
@@ -571,7 +618,7 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
         for hook in hooks:
             hook(step, dict(entry))
         if hooks and not params_finite():
-            bad = [n for n, p in module.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+            bad = [n for n, _, _ in _checkpoint.nonfinite_params(module)]
             raise ValueError(f"an evaluation hook made parameter(s) {bad[:5]} non-finite at step {step} (hooks "
                              f"must not change the parameters' values to inf or NaN); no optimiser step did")
         return entry
@@ -607,7 +654,7 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if config.grad_clip is not None:  # the norm comes for free
-            gnorm = nn.utils.clip_grad_norm_(module.parameters(), config.grad_clip)
+            gnorm = _checkpoint.full(nn.utils.clip_grad_norm_(module.parameters(), config.grad_clip))
         else:
             gnorm = _total_norm([p.grad for p in module.parameters() if p.grad is not None])
         if not math.isfinite(float(gnorm)):  # the loss was finite, its gradient is not

@@ -230,11 +230,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
+def _init_gloo(rank: int, world: int, port: int) -> None:
+    """Join a gloo process group of ``world`` processes on this machine, one thread each (test_fsdp.py too)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    _init_gloo(rank, world, port)
     try:
         tr, va = _recall()
         va = tr.subset(slice(0, 65))  # shards of 33 and 32: 2 and 1 evaluation batches of 32

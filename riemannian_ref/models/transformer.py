@@ -140,7 +140,14 @@ class Block(nn.Module):
             # the preconditioner keeps the unbounded factor form (metric_form is about attention's metrics)
             self.ffn_metric = MetricNet(D, 1, D, config.ffn_metric_rank, lam_init=config.lam_init,
                                         strength=config.metric_strength, form="factor")
-            self.eta = nn.Parameter(torch.tensor(float(config.eta_init)))
+            self.eta = nn.Parameter(torch.tensor([float(config.eta_init)]))  # (1,): FSDP2 shards no 0-d parameter
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # files and checkpoints written while eta was 0-d load as they were (load_state_dict passes a copy)
+        key = prefix + "eta"
+        if self.eta is not None and isinstance(state_dict.get(key), Tensor) and state_dict[key].dim() == 0:
+            state_dict[key] = state_dict[key].reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: Tensor, *, key_mask: Tensor | None = None,
                 return_weights: bool = False) -> tuple[Tensor, Tensor | None]:
