@@ -443,7 +443,7 @@ def train(model: nn.Module, train_data: TaskData, val_data: TaskData, config: Tr
     config : TrainConfig
     optimizer : torch.optim.Optimizer, optional
         Built by the caller over the model's parameters (e.g. a
-        :class:`~riemannian_ref.optim.adam.StiefelAdam` with its own groups;
+        :class:`~riemannian_ref.RiemannianAdam` over frames on Stiefel;
         under ``parallel="fsdp"`` over the sharded model's, so the caller
         shards it first);
         each group's ``lr`` is its peak rate, which the schedule of ``config``

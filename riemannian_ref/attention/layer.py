@@ -18,7 +18,8 @@ shared metric per head), and :math:`P_{j\to i}` the transport of a connection
 (:mod:`riemannian_ref.geometry.transport`; the identity by default).
 
 The query/key maps are stored as frames of shape ``[h, D, d]`` so that a
-Stiefel optimiser (:class:`~riemannian_ref.optim.adam.StiefelAdam`) can keep
+Riemannian optimiser (:class:`~riemannian_ref.RiemannianAdam`, frames on
+:class:`~riemannian_ref.Stiefel`) can keep
 each head's frame orthonormal (:meth:`RiemannianAttention.qk_frames`).
 """
 from __future__ import annotations
