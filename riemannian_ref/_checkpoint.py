@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import sys
 import warnings
 from typing import Any
 
@@ -52,11 +53,16 @@ from torch import Tensor, nn
 
 from ._io import atomic_write
 
-try:  # FSDP2 (torch >= 2.6): a module sharded by fully_shard holds DTensor parameters
-    from torch.distributed.fsdp import FSDPModule as _FSDP
-    from torch.distributed.tensor import DTensor as _DTENSOR
-except ImportError:  # no FSDP2 here: isinstance(x, ()) is always false
-    _FSDP = _DTENSOR = ()
+
+
+def _loaded_type(module: str, name: str) -> type | tuple:
+    """``module.name`` if that module is imported, else ``()`` (``isinstance(x, ())`` is False).
+
+    FSDP2's module and DTensor classes are looked up only once something has
+    imported them (``fully_shard`` does): no instance can exist before, and
+    importing them eagerly would pull sympy into ``import riemannian_ref``.
+    """
+    return getattr(sys.modules.get(module), name, ())
 
 __all__: list[str] = []  # private module
 
@@ -109,19 +115,20 @@ def model_config(module: nn.Module) -> dict | None:
 
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``module`` is sharded by FSDP2's ``fully_shard`` (its state is then spread over the ranks)."""
-    return isinstance(module, _FSDP)
+    return isinstance(module, _loaded_type("torch.distributed.fsdp", "FSDPModule"))
 
 
 def full(t: Tensor) -> Tensor:
     """The whole tensor: a DTensor's shards gathered (a collective: every rank calls it), any other as is."""
-    return t.full_tensor() if isinstance(t, _DTENSOR) else t
+    return t.full_tensor() if isinstance(t, _loaded_type("torch.distributed.tensor", "DTensor")) else t
 
 
 def nonfinite_params(module: nn.Module) -> list[tuple[str, int, int]]:
     """``(name, non-finite entries, entries)`` of every parameter with a non-finite entry; a sharded
     module's counts are summed over the ranks (a collective)."""
     params = [(n, p.detach()) for n, p in module.named_parameters() if p.is_floating_point()]
-    counts = torch.tensor([int((~torch.isfinite(p.to_local() if isinstance(p, _DTENSOR) else p)).sum())
+    dtensor = _loaded_type("torch.distributed.tensor", "DTensor")
+    counts = torch.tensor([int((~torch.isfinite(p.to_local() if isinstance(p, dtensor) else p)).sum())
                            for _, p in params], dtype=torch.int64)
     if is_sharded(module):
         dist.all_reduce(counts)
