@@ -44,11 +44,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ._io import atomic_write
+from .models.config import MOVED_FIELDS, FiberBundleConfig, nest_flat
 
 __all__: list[str] = []  # private module
 
-#: Tag of the checkpoint layout written by :func:`write`.
-FORMAT = "riemannian_ref.train/1"
+#: Tag of the checkpoint layout written by :func:`write`. Version 1 held a FiberBundleConfig's attention
+#: options as flat fields of its ``model_config``; :func:`read` nests them (:func:`_nested_model_config`).
+FORMAT = "riemannian_ref.train/2"
+_FORMAT_1 = "riemannian_ref.train/1"
 
 # key -> (accepted types, what it is); read() checks each one
 _SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
@@ -94,6 +97,16 @@ def model_config(module: nn.Module) -> dict | None:
     return None
 
 
+def _nested_model_config(mc):
+    """A format-1 ``model_config`` as format 2 records it: a flat FiberBundleConfig's attention options nested."""
+    if isinstance(mc, dict) and set(mc) & set(MOVED_FIELDS):
+        try:
+            return dataclasses.asdict(FiberBundleConfig(**nest_flat(mc)))
+        except (TypeError, ValueError):  # not a FiberBundleConfig of then: compared as it is
+            return mc
+    return mc
+
+
 def write(path: str, payload: dict[str, Any]) -> None:
     """Save ``payload`` (the keys of the schema, ``format`` added here) to ``path`` atomically.
 
@@ -120,6 +133,8 @@ def read(path: str, map_location=None) -> dict[str, Any]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"checkpoint {path!r} cannot be read safely (only tensors and plain values are "
                          f"loaded, nothing in the file is run): {first}") from None
+    if isinstance(blob, dict) and blob.get("format") == _FORMAT_1:
+        blob = {**blob, "format": FORMAT, "model_config": _nested_model_config(blob.get("model_config"))}
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         got = blob.get("format") if isinstance(blob, dict) else type(blob).__name__
         raise ValueError(f"checkpoint {path!r} is not a riemannian_ref training checkpoint "

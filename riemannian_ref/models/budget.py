@@ -153,7 +153,7 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
     Matmuls are counted exactly; elementwise work (softmax, rotations, the
     content transport) at one FLOP per scalar operation, an estimate. The
     pairwise low-rank products cost ``2 n^2 D r`` per one-sided metric
-    (``"mean"``: twice); with ``metric_subspace = m`` (and the trivial
+    (``"mean"``: twice); with ``attention.subspace = m`` (and the trivial
     connection) the scores are one dot product of width
     :math:`d + m(m+1)/2 + 1` instead, so the metric adds the
     :math:`m(m+1)/2` extra coordinates of the scores and of the padded values
@@ -180,26 +180,27 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
     n = cfg.block_size if seq_len is None else seq_len
     D, L, V, h, d = cfg.d_model, cfg.n_layers, cfg.out_dim or 0, cfg.n_heads, cfg.qk_dim
     hd = h * d
-    r = cfg.metric_rank
-    sides = 2 if cfg.metric_side == "mean" else 1
+    r = cfg.attention.rank
+    sides = 2 if cfg.attention.metric_side == "mean" else 1
     out = dict.fromkeys(("projections", "scores", "softmax_mix", "metric", "connection", "ffn",
                          "ffn_metric", "head"), 0.0)
     conn = cfg.connection_resolved
     out["projections"] = L * 2 * n * (3 * D * hd + hd * D)  # q, k, v, out
     out["scores"] = L * 2 * n * n * hd  # q_i . k_j (+ norms, lower order)
     out["softmax_mix"] = L * (5 * n * n * h + 2 * n * n * hd)  # softmax + A V
-    m = cfg.metric_subspace
+    m = cfg.attention.subspace
     if cfg.mode != "euclidean" and m is not None and cfg.connection_resolved == "trivial":
         # factors B C_i in an m-dim subspace: the scores are one dot product of width d + m(m+1)/2 + 1 per side
         # (both sides: m more), the values padded to it; the network computes C_i (m r numbers per head)
         extra = (m * (m + 1) // 2) * sides + (m if sides == 2 else 0)
-        gain = 2 * n * D * h * r if cfg.metric_form == "gains" else 0  # the gain network
+        gain = 2 * n * D * h * r if cfg.attention.metric_form == "gains" else 0  # the gain network
         out["metric"] = L * (2 * n * D * h * m * r + gain + 4 * n * n * h * extra)
     elif cfg.mode != "euclidean":
-        net = 0 if cfg.shared_metric else 2 * n * D * (h * m if m is not None else hd) * r  # the metric network
-        if cfg.metric_form == "gains" and not cfg.shared_metric and not cfg.position_metric and r:
+        shared = cfg.attention.metric == "shared"
+        net = 0 if shared else 2 * n * D * (h * m if m is not None else hd) * r  # the metric network
+        if cfg.attention.metric_form == "gains" and cfg.attention.metric == "token" and r:
             net += 2 * n * D * h * r  # the gain network
-        pair = 0 if cfg.shared_metric else sides * 2 * n * n * hd * r  # U^T (q - k) for every pair
+        pair = 0 if shared else sides * 2 * n * n * hd * r  # U^T (q - k) for every pair
         out["metric"] = L * (net + pair)
     if conn in ("flat", "cumulative"):
         out["connection"] = L * 3 * n * hd * (4 + r * sides)  # rotate q, k, v, output and U: O(n d r)
@@ -207,7 +208,8 @@ def estimate_flops(config: FiberBundleConfig, seq_len: int | None = None) -> dic
         out["connection"] += L * (2 * n * D * hd // 2 + 4 * n * hd)
     if conn in ("content", "content_source"):
         # P^T q_i always, P v_j with transported values, P k_j for a query-side metric
-        rotations = 1 + (1 if cfg.transport_values else 0) + (1 if cfg.metric_side in ("query", "mean") else 0)
+        rotations = (1 + (1 if cfg.attention.transport_values else 0)
+                     + (1 if cfg.attention.metric_side in ("query", "mean") else 0))
         out["connection"] = L * (2 * n * D * hd // 2 + n * n * hd + rotations * 3 * n * n * hd)
     if cfg.mlp:
         out["ffn"] = L * 2 * n * 2 * D * cfg.mlp_ratio * D
@@ -246,7 +248,7 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
     Matrix products (2 FLOPs per multiply-add) are counted as the kernels
     execute them: SDPA as FlashAttention-2 (the backward recomputes the
     scores: :math:`10 n^2 hd` against :math:`4 n^2 hd` forward), for one
-    metric per head at head size :math:`d + 1` and for ``metric_subspace = m``
+    metric per head at head size :math:`d + 1` and for ``attention.subspace = m``
     at :math:`d + m(m+1)/2 + 1` (``"mean"``: :math:`d + m + m(m+1) + 1`),
     with the lift's per-token products; the
     blockwise operator with its stacked products of inner size ``d + 2``
@@ -310,11 +312,11 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
     n2 = float(n) * n * (0.5 if causal_skip else 1.0)  # pairs per head
     conn = cfg.connection_resolved
     metric_scores = cfg.mode != "euclidean"
-    r = cfg.metric_rank if metric_scores else 0
-    per_token = metric_scores and not cfg.shared_metric and r > 0
-    rk = r if per_token and cfg.metric_side in ("key", "mean") else 0
-    rq = r if per_token and cfg.metric_side in ("query", "mean") else 0
-    m = cfg.metric_subspace if per_token else None  # factors B C_i in an m-dimensional subspace per head
+    r = cfg.attention.rank if metric_scores else 0
+    per_token = metric_scores and cfg.attention.metric != "shared" and r > 0
+    rk = r if per_token and cfg.attention.metric_side in ("key", "mean") else 0
+    rq = r if per_token and cfg.attention.metric_side in ("query", "mean") else 0
+    m = cfg.attention.subspace if per_token else None  # factors B C_i in an m-dimensional subspace per head
     lifted = m is not None and conn == "trivial"  # then one dot product of width d + m(m+1)/2 + 1: SDPA
     parts = {p: dict(matmul_fwd=0.0, matmul_bwd=0.0, elementwise_fwd=0.0, elementwise_bwd=0.0)
              for p in _COST_PARTS}
@@ -346,7 +348,7 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
             c = parts["connection"]
             a["matmul_fwd"] += 2 * n * hd * (rk + rq)  # U_kj^T k_j, U_qi^T q_i
             a["matmul_bwd"] += 4 * n * hd * (rk + rq)
-            tv = 1 if cfg.transport_values else 0
+            tv = 1 if cfg.attention.transport_values else 0
             half = n2 * hd / 2  # (query, key, pair) triples
             # per triple: the query turned (6), 4 per key-side column, 10 per query-side column, 8 for a
             # transported value; per pair: the score and the softmax
@@ -370,10 +372,10 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
             a["matmul_bwd"] += 2 * (mix + 2 * n2 * hd * (1 + rk + rq) + 2 * n * hd * (rk + rq))
             a["elementwise_fwd"] += n2 * h * (8 + 3 * (rk + rq))
             a["elementwise_bwd"] += 2 * n2 * h * (8 + 3 * (rk + rq))
-            rotations = 1 + (1 if cfg.transport_values else 0) + (1 if rq else 0)
+            rotations = 1 + (1 if cfg.attention.transport_values else 0) + (1 if rq else 0)
             c["elementwise_fwd"] += n2 * hd * (1.5 + 3 * rotations)  # angles, cos, sin; 3 per rotated coordinate
             c["elementwise_bwd"] += n2 * hd * (1 + 6 * rotations)  # cos, sin again; turned gradients, angle terms
-            tv = 1 if cfg.transport_values else 0
+            tv = 1 if cfg.attention.transport_values else 0
             # the angles (hd / 2; the rotations are recomputed in the backward) and the copies of the rotated
             # queries, values and (query-side metric) keys that the batched products keep
             stored = n2 * (hd * (0.5 + 1 + tv + (1 if rq else 0)) + h * (rk + rq + 3))
@@ -384,7 +386,7 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
             # (both sides: m more for the key side's cross term), the values zero-padded to it; the lift's
             # products per token and head: C C^T (m^2 r), B^T k, B^T q and G k (d m each), P B^T k (m^2) per side
             # ("mean": B^T q and B^T k twice, G_i q_i once)
-            both = cfg.metric_side == "mean"
+            both = cfg.attention.metric_side == "mean"
             T = m * (m + 1) // 2
             hs = h * (d + T + 1 + (m + T if both else 0))
             lift = 2 * n * h * ((2 if both else 1) * (m * m * r + m * m) + (5 if both else 3) * d * m)
@@ -397,7 +399,7 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
             # C^T, P = C C^T, B^T k, B^T q and the two factors of each lifted p p^T; a query-side metric keeps q
             sides = 2 if both else 1
             act["attention"] += (4 * n * hs + n * h + sides * n * h * (2 * d + 2 * m * r + m * m + 2 * m + 2 * T)
-                                 + (n * hd if cfg.metric_side in ("query", "mean") else 0))
+                                 + (n * hd if cfg.attention.metric_side in ("query", "mean") else 0))
         elif not metric_scores or not per_token:
             # SDPA (FlashAttention-2: the backward recomputes the scores); one metric for every pair runs there
             # too, on the dot-product form: M q per query, (k W)^2 per key for each shared factor W
@@ -407,7 +409,7 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
             a["elementwise_fwd"] += 5 * n2 * h
             a["elementwise_bwd"] += 8 * n2 * h
             if metric_scores:
-                rs = r * (2 if cfg.metric_side == "mean" else 1)
+                rs = r * (2 if cfg.attention.metric_side == "mean" else 1)
                 a["matmul_fwd"] += 6 * n * hd * rs
                 a["matmul_bwd"] += 12 * n * hd * rs
                 # SDPA keeps [M q, 1], [k, -kMk/2], the zero-padded v and its output (head size d + 1), besides
@@ -430,7 +432,7 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
                 c["elementwise_fwd"] += 3 * n * hd * (4 + rk + rq)
                 c["elementwise_bwd"] += 6 * n * hd * (4 + rk + rq)
                 act["connection"] += n * hd  # the rotation tables (cos and sin)
-        if per_token and cfg.metric_form == "gains" and not cfg.position_metric:
+        if per_token and cfg.attention.metric_form == "gains" and cfg.attention.metric != "position":
             # gains: a second linear map (the gain logits), Gram-Schmidt on the r columns and the scale by
             # sqrt(lam gamma); autograd keeps the raw, projected and normalised columns, norms and the gains
             width = h * (m if m is not None else d)
