@@ -90,9 +90,9 @@ ARMS = {
     "euclidean": ("euclidean", {}),
     "riemannian": ("riemannian", {}),
     "fiber_bundle": ("fiber_bundle", {}),
-    "rope": ("euclidean", dict(connection="flat", transport_values=False, learned_positions=False)),
+    "rope": ("euclidean", dict(learned_positions=False, attention=dict(connection="flat", transport_values=False))),
     "fb_no_precond": ("fiber_bundle", dict(precondition_ffn=False)),
-    "fb_no_connection": ("fiber_bundle", dict(connection="trivial", learned_positions=True)),
+    "fb_no_connection": ("fiber_bundle", dict(learned_positions=True, attention=dict(connection="trivial"))),
 }
 DEFAULT_ARMS = {"recall": "euclidean,riemannian,fiber_bundle",
                 "charlm": "euclidean,rope,riemannian,fiber_bundle,fb_no_precond,fb_no_connection"}

@@ -127,8 +127,7 @@ def model_config(mc: ModelConfig, vocab_size: int, block_size: int,
                          "(--metric-form, or \"metric_form\" in the config file's \"model\")")
     head = {} if n_classes is None else {"n_classes": n_classes, "tie_weights": False}
     return rr.FiberBundleConfig(vocab_size=vocab_size, block_size=block_size, d_model=mc.d_model,
-                                n_layers=mc.n_layers, n_heads=mc.n_heads, metric_rank=mc.metric_rank,
-                                metric_form=mc.metric_form, mode=mc.mode, **head, **mc.extra)
+                                n_layers=mc.n_layers, n_heads=mc.n_heads, mode=mc.mode, **head, **mc.extra, attention=dict(rank=mc.metric_rank, metric_form=mc.metric_form))
 
 
 def build_model(mc: ModelConfig, vocab_size: int, block_size: int,

@@ -260,7 +260,7 @@ def test_low_rank_adam_rejects_odd_groups():
 def test_stiefel_adam_trains_the_fiber_bundle_models_constrained_frames(mode):
     """Issue 7's config flag: FiberBundleConfig(qk_init="orthonormal") + StiefelAdam keeps W_Q, W_K on St(D, d)."""
     torch.manual_seed(0)
-    cfg = rr.FiberBundleConfig.tiny(mode=mode, qk_init="orthonormal")
+    cfg = rr.FiberBundleConfig.tiny(mode=mode, attention=dict(qk_init="orthonormal"))
     model = rr.FiberBundleTransformer(cfg).double()
     frames = model.qk_frame_parameters()
     with torch.no_grad():  # frames were orthonormalised in float32; re-project after .double()

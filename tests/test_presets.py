@@ -88,12 +88,12 @@ def test_preset_fields():
 
 VARIANTS = [
     dict(mode="euclidean"),
-    dict(mode="riemannian", shared_metric=True, metric_rank=2),
-    dict(mode="riemannian", metric_side="key", metric_rank=2),
-    dict(mode="riemannian", metric_side="query", metric_rank=1),
-    dict(mode="riemannian", metric_side="mean", metric_rank=3),
-    dict(mode="riemannian", connection="flat", metric_rank=2),
-    dict(mode="riemannian", connection="content", metric_side="mean", metric_rank=2),
+    dict(mode="riemannian", attention=dict(metric="shared", rank=2)),
+    dict(mode="riemannian", attention=dict(metric_side="key", rank=2)),
+    dict(mode="riemannian", attention=dict(metric_side="query", rank=1)),
+    dict(mode="riemannian", attention=dict(metric_side="mean", rank=3)),
+    dict(mode="riemannian", attention=dict(connection="flat", rank=2)),
+    dict(mode="riemannian", attention=dict(connection="content", metric_side="mean", rank=2)),
 ]
 ARCHS = [dict(), dict(skip=True), dict(mlp=True), dict(skip=True, mlp=True, layer_norm=True)]
 
@@ -136,8 +136,8 @@ def test_euclidean_stack_layer_is_sdpa(gen):
 
 def test_fiber_bundle_mode_with_its_components_off_is_riemannian_mode(gen):
     X = torch.randn(2, 6, 16, generator=gen, dtype=DT)
-    a = stack(mode="riemannian", metric_rank=2, metric_side="mean")
-    b = stack(mode="fiber_bundle", connection="trivial", metric_rank=2, metric_side="mean")
+    a = stack(mode="riemannian", attention=dict(rank=2, metric_side="mean"))
+    b = stack(mode="fiber_bundle", attention=dict(connection="trivial", rank=2, metric_side="mean"))
     assert a.state_dict().keys() == b.state_dict().keys()
     torch.testing.assert_close(a(embeds=X, return_hidden=True).hidden, b(embeds=X, return_hidden=True).hidden)
 
@@ -145,11 +145,11 @@ def test_fiber_bundle_mode_with_its_components_off_is_riemannian_mode(gen):
 def test_strength_zero_metrics_agree(gen):
     """U = 0 at init: per-token metrics are lam I, whatever the side."""
     X = torch.randn(2, 6, 16, generator=gen, dtype=DT)
-    outs = [stack(mode="riemannian", metric_rank=2, metric_strength=0.0, metric_side=s)(
+    outs = [stack(mode="riemannian", attention=dict(rank=2, strength=0.0, metric_side=s))(
         embeds=X, return_hidden=True).hidden for s in ("key", "query", "mean")]
     torch.testing.assert_close(outs[0], outs[1])
     torch.testing.assert_close(outs[0], outs[2])
-    hetero = stack(mode="riemannian", metric_rank=2, metric_side="key")(embeds=X, return_hidden=True).hidden
+    hetero = stack(mode="riemannian", attention=dict(rank=2, metric_side="key"))(embeds=X, return_hidden=True).hidden
     assert (hetero - outs[0]).abs().max() > 1e-3
 
 
@@ -177,7 +177,7 @@ def test_pure_stack_collapses_and_skip_stops_it(gen):
 
 def test_qk_gain_scales_the_frames(gen):
     a = stack(mode="euclidean").blocks[0].attn
-    b = stack(mode="euclidean", qk_gain=2.0).blocks[0].attn
+    b = stack(mode="euclidean", attention=dict(qk_gain=2.0)).blocks[0].attn
     torch.testing.assert_close(b.w_q, 2 * a.w_q)
     torch.testing.assert_close(b.w_k, 2 * a.w_k)
     assert torch.equal(b.v_proj.weight, a.v_proj.weight)

@@ -475,7 +475,7 @@ def test_module_with_a_connection_or_weights_multiplies_the_factors_out():
     lam, _, Uk, rates = layer.geometry(x)
     o = rr.connection_attention(q, k, v, None, 0.0, True, U_k=Uk.dense(), lam=lam, connection="flat", rates=rates)
     torch.testing.assert_close(out, layer.out_proj(o.transpose(1, 2).reshape(2, 9, -1)), rtol=1e-12, atol=1e-12)
-    layer_t = rr.RiemannianAttention(cfg.replace(connection="trivial")).double()
+    layer_t = rr.RiemannianAttention(cfg.replace(attention=dict(connection="trivial"))).double()
     out_w, A = layer_t(x, return_weights=True)
     assert A.shape == (2, 2, 9, 9) and torch.allclose(out_w, layer_t(x)[0], atol=1e-12)
 
@@ -493,16 +493,16 @@ def test_attention_config_subspace_is_validated(kw, match):
 
 
 def test_fiber_bundle_config_metric_subspace():
-    cfg = rr.FiberBundleConfig.tiny(mode="riemannian", metric_subspace=3)
+    cfg = rr.FiberBundleConfig.tiny(mode="riemannian", attention=dict(subspace=3))
     assert cfg.attention_config(0).subspace == 3
     model = rr.FiberBundleTransformer(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     out = model(idx)
     out.logits.square().mean().backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if ".attn.metric." in n)
-    for kw in (dict(mode="euclidean"), dict(mode="riemannian", shared_metric=True),
-               dict(mode="riemannian", position_metric=True), dict(mode="riemannian", metric_rank=0)):
+    for kw in (dict(mode="euclidean"), dict(mode="riemannian", attention=dict(metric="shared")),
+               dict(mode="riemannian", attention=dict(metric="position")), dict(mode="riemannian", attention=dict(rank=0))):
         with pytest.raises(ValueError, match="metric_subspace needs per-token metrics"):
-            rr.FiberBundleConfig.tiny(metric_subspace=3, **kw)
+            rr.FiberBundleConfig.tiny(**kw, attention=dict(subspace=3))
     with pytest.raises(ValueError, match=r"metric_subspace must be an int in \[1, 16\]"):
-        rr.FiberBundleConfig.tiny(mode="riemannian", metric_subspace=17)
+        rr.FiberBundleConfig.tiny(mode="riemannian", attention=dict(subspace=17))

@@ -144,8 +144,7 @@ def test_caller_built_optimizer_keeps_each_groups_peak_rate_under_the_schedule()
     """StiefelAdam with the frames at their own rate: the schedule scales each group's own peak."""
     tr, va = _recall()
     torch.manual_seed(0)
-    model = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(mode="euclidean", qk_init="orthonormal",
-                                                                block_size=12))
+    model = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(mode="euclidean", block_size=12, attention=dict(qk_init="orthonormal")))
     frames = model.qk_frame_parameters()
     ids = {id(p) for p in frames}
     rest = [p for p in model.parameters() if id(p) not in ids]

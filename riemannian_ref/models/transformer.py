@@ -465,7 +465,7 @@ class FiberBundleTransformer(nn.Module):
         it was (and :meth:`save` then writes the current format) with::
 
             saved = nest_flat(torch.load(path, weights_only=True)["config"])
-            saved["attention"]["connection"] = "content_source"
+            saved["attention"].update(connection="content_source", metric_form="factor")  # its rule, its metrics
             model = FiberBundleTransformer.load(path, config=FiberBundleConfig(**saved))
 
         (``nest_flat`` from :mod:`riemannian_ref.models.config`).
