@@ -33,7 +33,8 @@ def _legal():
 def test_diagnostics_of_a_batch_are_the_mean_of_the_per_example_ones(mode, metric, conn):
     # D7: the position metric's factors are [1, h, n, d, r]; a content connection's rates [B, h, n, d/2]
     torch.manual_seed(0)
-    model = rr.FiberBundleTransformer(FC.tiny(mode=mode, n_layers=2, attention=dict(connection=conn, metric=metric))).double()
+    cfg = FC.tiny(mode=mode, n_layers=2, attention=dict(connection=conn, metric=metric))
+    model = rr.FiberBundleTransformer(cfg).double()
     model.eval()
     idx = torch.randint(0, 16, (2, 9), generator=torch.Generator().manual_seed(1))
     both = model(idx, return_diagnostics=True).diagnostics

@@ -100,7 +100,8 @@ def test_riemannian_with_zero_metric_factors_is_euclidean_plus_key_bias(gen):
 
 
 def test_preconditioned_ffn_with_zero_factors_is_the_plain_ffn_scaled(gen):
-    fb = _model(mode="fiber_bundle", precondition_ffn=True, eta_init=0.5, attention=dict(connection="trivial", lam_init=2.0))
+    fb = _model(mode="fiber_bundle", precondition_ffn=True, eta_init=0.5,
+                attention=dict(connection="trivial", lam_init=2.0))
     plain = _model(mode="fiber_bundle", precondition_ffn=False, attention=dict(connection="trivial", lam_init=2.0))
     plain.load_state_dict(fb.state_dict(), strict=False)
     blk, ref = fb.blocks[0], plain.blocks[0]
@@ -214,9 +215,10 @@ def test_generate(gen):
     (dict(d_model=36, n_heads=4, mode="fiber_bundle", attention=dict(connection="flat")), "must be even"),
     (dict(d_model=36, n_heads=4, mode="fiber_bundle", attention=dict(connection="content")), "must be even"),
     (dict(mode="hyperbolic"), "mode must be one of"),
-    (dict(connection="levi-civita"), "connection must be one of"),
-    (dict(metric_side="both"), "metric_side must be one of"),
-    (dict(attention=dict(rank=-1)), "metric_rank"),
+    (dict(attention=dict(connection="levi-civita")), "attention: connection must be one of"),
+    (dict(attention=dict(metric_side="both")), "metric_side must be one of"),
+    (dict(attention=dict(rank=-1)), "rank must be an int >= 0"),
+    (dict(metric_rank=2), r"metric_rank moved to attention: use attention=dict\(rank=2\)"),
     (dict(dropout=1.0), "dropout"),
 ])
 def test_config_errors(kw, match):
@@ -277,7 +279,7 @@ def test_load_with_another_config_names_the_differing_fields(tmp_path):
     with pytest.raises(ValueError, match="saved with another config") as err:
         rr.FiberBundleTransformer.load(path, config=other)
     msg = str(err.value)
-    assert "metric_rank: file 2, expected 3" in msg and "lam_init: file 1.0, expected 2.0" in msg
+    assert "attention.rank: file 2, expected 3" in msg and "attention.lam_init: file 1.0, expected 2.0" in msg
     assert "d_model" not in msg and "mode" not in msg  # only the fields that differ
     assert str(path) in msg
 
@@ -304,8 +306,8 @@ def test_load_refuses_foreign_or_mismatched_files(tmp_path):
     torch.save(model.state_dict(), tmp_path / "sd.pt")  # a bare state dict
     with pytest.raises(ValueError, match="not a riemannian_ref model file"):
         rr.FiberBundleTransformer.load(tmp_path / "sd.pt")
-    cfg = {**model.config.__dict__, "n_layers": 3}  # weights of 2 layers under a 3-layer config
-    torch.save({"format": "riemannian_ref.FiberBundleTransformer/1", "config": cfg,
+    cfg = {**model.config.to_dict(), "n_layers": 3}  # weights of 2 layers under a 3-layer config
+    torch.save({"format": "riemannian_ref.FiberBundleTransformer/4", "config": cfg,
                 "state_dict": model.state_dict()}, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="the weights do not match the saved config"):
         rr.FiberBundleTransformer.load(tmp_path / "bad.pt")
