@@ -62,7 +62,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_attention import _status, machine_info  # noqa: E402
 
 MODES = {"euclidean": dict(mode="euclidean"), "riemannian": dict(mode="riemannian"),
-         "fiber_bundle": dict(mode="fiber_bundle"), "fiber_bundle/flat": dict(mode="fiber_bundle", attention=dict(connection="flat")),
+         "fiber_bundle": dict(mode="fiber_bundle"),
+         "fiber_bundle/flat": dict(mode="fiber_bundle", attention=dict(connection="flat")),
          "fiber_bundle/cumulative": dict(mode="fiber_bundle", attention=dict(connection="cumulative"))}
 
 
@@ -80,7 +81,8 @@ METRIC_FORM_HELP = ("metric parameterisation: factor (G = lam I + U U^T), the fo
 def config(mode: str, n: int, metric_form: str = "factor") -> rr.FiberBundleConfig:
     """The mode's config at sequence length n, resized to the Euclidean model's parameter count."""
     eu = rr.FiberBundleConfig.small(block_size=n, mode="euclidean", **BASE)
-    cfg = rr.FiberBundleConfig.small(block_size=n, **BASE, **MODES[mode], attention=dict(metric_form=metric_form))
+    cfg = rr.FiberBundleConfig.small(block_size=n, **BASE, **MODES[mode]).replace(
+        attention=dict(metric_form=metric_form))
     if mode == "euclidean":
         return cfg
     return rr.match_width(cfg, rr.count_parameters(eu)["total"])
@@ -172,7 +174,8 @@ TARGET_MODES = {"euclidean": dict(mode="euclidean"), "riemannian": dict(mode="ri
 
 
 def target_config(mode: str, n: int, metric_form: str = "factor") -> rr.FiberBundleConfig:
-    return rr.FiberBundleConfig(block_size=n, d_model=128, n_heads=2, n_layers=2, **TARGET_MODES[mode], attention=dict(metric_form=metric_form))
+    return rr.FiberBundleConfig(block_size=n, d_model=128, n_heads=2, n_layers=2,
+                                **TARGET_MODES[mode]).replace(attention=dict(metric_form=metric_form))
 
 
 def target_child(mode: str, n: int, steps: int, metric_form: str) -> dict:

@@ -116,10 +116,10 @@ def test_key_padding_reaches_the_operator_as_a_per_key_mask(monkeypatch, gen):
     (lambda: rr.FiberBundleConfig(n_heads=0), ValueError, "n_heads"),
     (lambda: rr.FiberBundleConfig(attention=dict(lam_init=1e-3)), ValueError, "lam_init"),  # at the floor
     (lambda: rr.FiberBundleConfig(attention=dict(lam_init=5e-4)), ValueError, "lam_init"),  # below it
-    (lambda: rr.FiberBundleConfig(attention=dict(lam_init=1e39)), ValueError, "lam_init"),  # its raw parameter overflows
+    (lambda: rr.FiberBundleConfig(attention=dict(lam_init=1e39)), ValueError, "lam_init"),  # raw one overflows
     (lambda: rr.FiberBundleConfig(eta_init=float("nan")), ValueError, "eta_init"),
     (lambda: rr.FiberBundleConfig(eta_init=1e39), ValueError, "eta_init"),
-    (lambda: rr.FiberBundleConfig(attention=dict(strength=-1.0)), ValueError, "metric_strength"),
+    (lambda: rr.FiberBundleConfig(attention=dict(strength=-1.0)), ValueError, "strength"),
     (lambda: rr.FiberBundleConfig(attention=dict(qk_gain=0.0)), ValueError, "qk_gain"),
     (lambda: rr.FiberBundleConfig(dropout=1.0), ValueError, "dropout"),
     (lambda: rr.FiberBundleConfig(skip=1), ValueError, "skip"),
@@ -677,14 +677,16 @@ def _sweep_targets():
                                                   return_weights=False)),
         ("FiberBundleConfig", rr.FiberBundleConfig, dict(vocab_size=16, block_size=8, d_model=16, n_heads=2,
                                                         n_layers=1, eta_init=1.0, mlp_ratio=2, dropout=0.0,
-                                                        mode="fiber_bundle", attention=dict(rank=2, strength=1.0, lam_init=1.0))),
+                                                        mode="fiber_bundle",
+                                                        attention=dict(rank=2, strength=1.0, lam_init=1.0))),
         ("FiberBundleTransformer.forward", m, dict(idx=torch.randint(16, (2, 8), generator=g),
                                                    targets=torch.randint(16, (2, 8), generator=g),
                                                    key_mask=torch.ones(2, 8, dtype=torch.bool),
                                                    diagnostic_samples=8)),
         ("FiberBundleTransformer.generate", m.generate, dict(idx=torch.randint(16, (2, 3), generator=g),
                                                             max_new_tokens=2, temperature=1.0, top_k=3)),
-        ("RecallHead", rr.RecallHead, dict(n_keys=8, n_values=4, d_model=8, head_dim=4, scores="dot", attention=dict(rank=2))),
+        ("RecallHead", rr.RecallHead, dict(n_keys=8, n_values=4, d_model=8, head_dim=4, scores="dot",
+                                          attention=dict(rank=2))),
         ("count_parameters", rr.count_parameters, dict(model_or_config=cfg)),
         ("estimate_flops", rr.estimate_flops, dict(config=cfg, seq_len=8)),
         ("match_width", rr.match_width, dict(config=cfg, target=20000)),

@@ -18,7 +18,7 @@ factors multiplied out, ``U_j = B C_j``. Checked:
   (the operator, SDPA with the key term as a float mask, SDPA on lifted
   inputs) equal the reference; bad input raises a ValueError naming it;
 - the module path: ``MetricNet(subspace=m)``, ``AttentionConfig.subspace``
-  and ``FiberBundleConfig.metric_subspace`` give the same outputs and
+  and ``FiberBundleConfig(attention=dict(subspace=m))`` give the same outputs and
   gradients as the same metric given as dense per-token factors to the
   blockwise operator.
 """
@@ -475,7 +475,7 @@ def test_module_with_a_connection_or_weights_multiplies_the_factors_out():
     lam, _, Uk, rates = layer.geometry(x)
     o = rr.connection_attention(q, k, v, None, 0.0, True, U_k=Uk.dense(), lam=lam, connection="flat", rates=rates)
     torch.testing.assert_close(out, layer.out_proj(o.transpose(1, 2).reshape(2, 9, -1)), rtol=1e-12, atol=1e-12)
-    layer_t = rr.RiemannianAttention(cfg.replace(attention=dict(connection="trivial"))).double()
+    layer_t = rr.RiemannianAttention(cfg.replace(connection="trivial")).double()
     out_w, A = layer_t(x, return_weights=True)
     assert A.shape == (2, 2, 9, 9) and torch.allclose(out_w, layer_t(x)[0], atol=1e-12)
 
@@ -494,15 +494,15 @@ def test_attention_config_subspace_is_validated(kw, match):
 
 def test_fiber_bundle_config_metric_subspace():
     cfg = rr.FiberBundleConfig.tiny(mode="riemannian", attention=dict(subspace=3))
-    assert cfg.attention_config(0).subspace == 3
+    assert cfg.attention.subspace == 3
     model = rr.FiberBundleTransformer(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     out = model(idx)
     out.logits.square().mean().backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if ".attn.metric." in n)
-    for kw in (dict(mode="euclidean"), dict(mode="riemannian", attention=dict(metric="shared")),
-               dict(mode="riemannian", attention=dict(metric="position")), dict(mode="riemannian", attention=dict(rank=0))):
-        with pytest.raises(ValueError, match="metric_subspace needs per-token metrics"):
-            rr.FiberBundleConfig.tiny(**kw, attention=dict(subspace=3))
-    with pytest.raises(ValueError, match=r"metric_subspace must be an int in \[1, 16\]"):
+    for mode, att in (("euclidean", {}), ("riemannian", dict(metric="shared")),
+                      ("riemannian", dict(metric="position")), ("riemannian", dict(rank=0))):
+        with pytest.raises(ValueError, match="attention: subspace needs per-token metrics"):
+            rr.FiberBundleConfig.tiny(mode=mode, attention=dict(att, subspace=3))
+    with pytest.raises(ValueError, match=r"attention: subspace must be an int in \[1, 16\]"):
         rr.FiberBundleConfig.tiny(mode="riemannian", attention=dict(subspace=17))

@@ -477,7 +477,7 @@ class RiemannianAttention(nn.Module):
         lam, U_q, U_k, rates = self.geometry(x, context)
         p = cfg.dropout if self.training else 0.0
         if isinstance(U_k, SubspaceFactors) or isinstance(U_q, SubspaceFactors):
-            if cfg.connection_resolved == "trivial" and not return_weights:  # one dot product: SDPA (riemannian_attention)
+            if cfg.connection_resolved == "trivial" and not return_weights:  # one dot product: SDPA
                 o = riemannian_attention(q, k, v, mask, p, is_causal, U_q=U_q, U_k=U_k, lam=lam,
                                          metric_side=cfg.metric_side)
                 out = self.out_proj(o.transpose(1, 2).reshape(B, n_q, cfg.n_heads * cfg.v_dim))
