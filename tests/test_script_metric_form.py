@@ -218,10 +218,10 @@ def test_bench_model_configs_take_the_form(monkeypatch):
     import bench_model
 
     for form in ("factor", "gains"):
-        assert bench_model.config("riemannian", 32, form).metric_form == form
-        assert bench_model.target_config("fiber_bundle", 32, form).metric_form == form
-    assert bench_model.config("riemannian", 32).metric_form == "factor"
-    assert bench_model.target_config("riemannian", 32).metric_form == "factor"
+        assert bench_model.config("riemannian", 32, form).attention.metric_form == form
+        assert bench_model.target_config("fiber_bundle", 32, form).attention.metric_form == form
+    assert bench_model.config("riemannian", 32).attention.metric_form == "factor"
+    assert bench_model.target_config("riemannian", 32).attention.metric_form == "factor"
 
 
 @pytest.mark.parametrize("kinds, expected, reference", [
