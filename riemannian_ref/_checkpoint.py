@@ -177,7 +177,9 @@ def _diff_dicts(saved: dict, now: dict, label: str, limit: int = 6) -> list[str]
     out = []
     for k in keys:
         a, b = saved.get(k, "<absent>"), now.get(k, "<absent>")
-        if _comparable(a) != _comparable(b):
+        if isinstance(a, dict) and isinstance(b, dict):  # a nested config (a model's attention): field by field
+            out += _diff_dicts(a, b, f"{label}{k}.", limit=len(a) + len(b))
+        elif _comparable(a) != _comparable(b):
             a, b = (tuple(x) if isinstance(x, list) else x for x in (a, b))
             out.append(f"{label}{k}: checkpoint {a!r}, now {b!r}")
     return out[:limit] + ([f"... and {len(out) - limit} more {label or 'fields'}"] if len(out) > limit else [])
