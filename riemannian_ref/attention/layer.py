@@ -112,7 +112,7 @@ class AttentionConfig:
         A learned per-head factor on :math:`1/\tau` (1 at init), folded into the metric.
     connection : {"trivial", "flat", "content", "content_source", "cumulative"} or None, default None
         Transport of keys and values (self-attention only; None: ``"trivial"``,
-        or the mode's default in :class:`~riemannian_ref.models.config.FiberBundleConfig`): none, rotary
+        or the mode's default in :class:`~riemannian_ref.FiberBundleConfig`): none, rotary
         (flat), rates read from the content of both endpoints of an edge
         (inverse-consistent, curved), or of its source only, or the rates
         integrated along the sequence into per-token phases (flat,

@@ -156,7 +156,7 @@ class FiberBundleConfig:
         ``precondition_ffn`` and ``learned_positions`` (module docstring).
     attention : AttentionConfig or mapping, default {}
         Every option of the attention of every block: the fields of
-        :class:`~riemannian_ref.attention.layer.AttentionConfig` (``rank``,
+        :class:`~riemannian_ref.AttentionConfig` (``rank``,
         ``metric``, ``metric_side``, ``connection``, ...); a mapping gives
         some and leaves the others at their defaults. Stored as the
         AttentionConfig every block gets: the fields the model owns

@@ -449,7 +449,7 @@ class FiberBundleTransformer(nn.Module):
         silently takes a default. Files of formats 1 to 3 (written before
         the attention options were nested) hold a flat config, the attention options as fields of
         their own (``metric_rank``, ``shared_metric``, ...): they are nested
-        by the table :data:`~riemannian_ref.models.config.MOVED_FIELDS`.
+        by one table (``MOVED_FIELDS`` in ``riemannian_ref.models.config``).
         Files of formats 1 and 2 may lack the fields added since, and only
         those; they get the values that reproduce the model of then (format
         1: ``position_metric=False``, ``metric_bias=False``,
@@ -468,7 +468,7 @@ class FiberBundleTransformer(nn.Module):
             saved["attention"].update(connection="content_source", metric_form="factor")  # its rule, its metrics
             model = FiberBundleTransformer.load(path, config=FiberBundleConfig(**saved))
 
-        (``nest_flat`` from :mod:`riemannian_ref.models.config`).
+        (``nest_flat`` from ``riemannian_ref.models.config``).
 
         Parameters
         ----------
