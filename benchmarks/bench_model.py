@@ -62,8 +62,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_attention import _status, machine_info  # noqa: E402
 
 MODES = {"euclidean": dict(mode="euclidean"), "riemannian": dict(mode="riemannian"),
-         "fiber_bundle": dict(mode="fiber_bundle"), "fiber_bundle/flat": dict(mode="fiber_bundle", connection="flat"),
-         "fiber_bundle/cumulative": dict(mode="fiber_bundle", connection="cumulative")}
+         "fiber_bundle": dict(mode="fiber_bundle"),
+         "fiber_bundle/flat": dict(mode="fiber_bundle", attention=dict(connection="flat")),
+         "fiber_bundle/cumulative": dict(mode="fiber_bundle", attention=dict(connection="cumulative"))}
 
 
 # The small preset with the head dimension of real models (64; two heads): at the preset's d = 16 every
@@ -80,7 +81,8 @@ METRIC_FORM_HELP = ("metric parameterisation: factor (G = lam I + U U^T), the fo
 def config(mode: str, n: int, metric_form: str = "factor") -> rr.FiberBundleConfig:
     """The mode's config at sequence length n, resized to the Euclidean model's parameter count."""
     eu = rr.FiberBundleConfig.small(block_size=n, mode="euclidean", **BASE)
-    cfg = rr.FiberBundleConfig.small(block_size=n, metric_form=metric_form, **BASE, **MODES[mode])
+    cfg = rr.FiberBundleConfig.small(block_size=n, **BASE, **MODES[mode]).replace(
+        attention=dict(metric_form=metric_form))
     if mode == "euclidean":
         return cfg
     return rr.match_width(cfg, rr.count_parameters(eu)["total"])
@@ -167,13 +169,13 @@ def flop_shares(cost):
 # connection, causal) at width 128, two heads of dimension 64, two layers, batch 2, on two threads.
 TARGET_MODES = {"euclidean": dict(mode="euclidean"), "riemannian": dict(mode="riemannian"),
                 "fiber_bundle": dict(mode="fiber_bundle"),
-                "fiber_bundle/flat": dict(mode="fiber_bundle", connection="flat"),
-                "fiber_bundle/cumulative": dict(mode="fiber_bundle", connection="cumulative")}
+                "fiber_bundle/flat": dict(mode="fiber_bundle", attention=dict(connection="flat")),
+                "fiber_bundle/cumulative": dict(mode="fiber_bundle", attention=dict(connection="cumulative"))}
 
 
 def target_config(mode: str, n: int, metric_form: str = "factor") -> rr.FiberBundleConfig:
-    return rr.FiberBundleConfig(block_size=n, d_model=128, n_heads=2, n_layers=2, metric_form=metric_form,
-                                **TARGET_MODES[mode])
+    return rr.FiberBundleConfig(block_size=n, d_model=128, n_heads=2, n_layers=2,
+                                **TARGET_MODES[mode]).replace(attention=dict(metric_form=metric_form))
 
 
 def target_child(mode: str, n: int, steps: int, metric_form: str) -> dict:

@@ -83,16 +83,16 @@ from tqdm.auto import tqdm
 import riemannian_ref as rr
 from riemannian_ref._io import atomic_write_text
 from riemannian_ref.protocol import Arm
-from train import METRIC_FORM_HELP, METRIC_FORMS, ModelConfig, TaskConfig, model_config, task_data
+from train import METRIC_FORM_HELP, METRIC_FORMS, TaskConfig, model_config, task_data
 
-#: Every arm the script knows: the mode and the FiberBundleConfig fields it sets.
+#: Every arm the script knows: the mode and the FiberBundleConfig fields it sets (attention options merged).
 ARMS = {
     "euclidean": ("euclidean", {}),
     "riemannian": ("riemannian", {}),
     "fiber_bundle": ("fiber_bundle", {}),
-    "rope": ("euclidean", dict(connection="flat", transport_values=False, learned_positions=False)),
+    "rope": ("euclidean", dict(learned_positions=False, attention=dict(connection="flat", transport_values=False))),
     "fb_no_precond": ("fiber_bundle", dict(precondition_ffn=False)),
-    "fb_no_connection": ("fiber_bundle", dict(connection="trivial", learned_positions=True)),
+    "fb_no_connection": ("fiber_bundle", dict(learned_positions=True, attention=dict(connection="trivial"))),
 }
 DEFAULT_ARMS = {"recall": "euclidean,riemannian,fiber_bundle",
                 "charlm": "euclidean,rope,riemannian,fiber_bundle,fb_no_precond,fb_no_connection"}
@@ -153,13 +153,13 @@ def main(argv=None):
     probe_train, _ = task_data(tc, 0, tune_fraction=tune_fraction)
     V, n, C = probe_train.vocab_size, probe_train.seq_len, probe_train.n_classes
 
-    base = ModelConfig(mode="euclidean", d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
-                       metric_rank=a.metric_rank, metric_form=a.metric_form)
+    base = rr.FiberBundleConfig(mode="euclidean", d_model=a.d_model, n_layers=a.n_layers, n_heads=a.n_heads,
+                                attention=dict(rank=a.metric_rank, metric_form=a.metric_form))
     cfgs, counts = {}, {}
     target_params = None
     for name in arm_names:
         mode, extra = ARMS[name]
-        cfg = model_config(dataclasses.replace(base, mode=mode, extra=extra), V, n, C)
+        cfg = model_config(base.replace(mode=mode, **extra), V, n, C)
         if target_params is None:
             target_params = rr.count_parameters(cfg)["total"]
         else:
@@ -199,7 +199,7 @@ def main(argv=None):
         "tuning_split": a.tuning_split,
         "data": {"n_train": len(probe_train), "vocab_size": V, "seq_len": n, "n_classes": C},
         "arms": {name: {"mode": ARMS[name][0], "fields": ARMS[name][1]} for name in arm_names},
-        "models": {name: dataclasses.asdict(cfg) for name, cfg in cfgs.items()}, "param_counts": counts,
+        "models": {name: cfg.to_dict() for name, cfg in cfgs.items()}, "param_counts": counts,
         **res,
         "wall_s": time.perf_counter() - t_start,
         "command": "python experiments/compare.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -186,7 +186,7 @@ def main(argv=None) -> None:
             raise RuntimeError(f"run order mismatch: optimiser for {arm} lr {lr}, run {run['mode']} lr {run['lr']}")
         run["frame_movement"] = frame_movement(frames, start)
     edge = [name for name in names if res["tuned"][name]["at_edge"]]
-    out = {"experiment": f"grokking_stiefel_{a.task}", "args": vars(a), "model": cfg.__dict__, **res,
+    out = {"experiment": f"grokking_stiefel_{a.task}", "args": vars(a), "model": cfg.to_dict(), **res,
            "at_edge_arms": edge,
            "wall_s": time.perf_counter() - t0, "python": platform.python_version(),
            "command": "python experiments/grokking_stiefel.py " + " ".join(sys.argv[1:] if argv is None else argv)}

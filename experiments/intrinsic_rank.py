@@ -43,32 +43,12 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
 from tqdm import tqdm
 
 import riemannian_ref as rr
 from riemannian_ref._io import atomic_write_text
 from riemannian_ref.analysis.intrinsic import FitConfig, best_rank_risk, kernel_statistic, population_risk
 from riemannian_ref.protocol import Arm
-
-
-class RecallHead(rr.RecallHead):
-    """``rr.RecallHead`` whose metric has the parameterisation ``metric_form``.
-
-    ``rr.RecallHead`` takes the package's default form; this builds the same
-    modules in the same order (the same random draws) with the form given.
-    """
-
-    def __init__(self, n_keys: int, n_values: int, d_model: int, head_dim: int, *, scores: str = "dot",
-                 metric_rank: int = 2, metric_form: str = "factor"):
-        nn.Module.__init__(self)
-        self.n_keys, self.n_values = n_keys, n_values
-        self.E_k = nn.Embedding(n_keys, d_model)
-        self.E_v = nn.Embedding(n_values + 1, d_model, padding_idx=n_values)
-        self.attn = rr.RiemannianAttention(rr.AttentionConfig(
-            d_model=d_model, n_heads=1, head_dim=head_dim, v_head_dim=d_model, cross_attention=True,
-            scores=scores, rank=metric_rank, metric_form=metric_form))
-        self.out = nn.Linear(d_model, n_values)
 
 
 def draw(args, g):
@@ -176,9 +156,9 @@ def trainability(args) -> dict:
         if head not in args.kinds:
             continue
         for hd in dims:
-            arms[f"{head}-d{hd}"] = Arm(lambda s=scores, r=metric_rank, h=hd: RecallHead(
-                args.n_keys, args.n_values, args.d_model, h, scores=s, metric_rank=r,
-                metric_form=args.metric_form))
+            arms[f"{head}-d{hd}"] = Arm(lambda s=scores, r=metric_rank, h=hd: rr.RecallHead(
+                args.n_keys, args.n_values, args.d_model, h, scores=s,
+                attention=dict(rank=r, metric_form=args.metric_form)))
     config = rr.TrainConfig(steps=args.recall_steps, batch_size=args.recall_batch, eval_interval=args.eval_every,
                             schedule="constant", warmup_steps=0, grad_clip=None, betas=(0.9, 0.999),
                             device=args.device)

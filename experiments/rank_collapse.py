@@ -48,20 +48,20 @@ ARCHS = {  # name: (skip, mlp, layer_norm)
 
 
 def variant_grid(ranks, strengths, sides, connections=("trivial", "flat", "content")):
-    """Name -> FiberBundleConfig overrides for the attention variants."""
+    """Name -> FiberBundleConfig overrides for the attention variants (the attention options nested)."""
     metric = dict(mode="riemannian")
     v = {"euclidean": dict(mode="euclidean"),
-         "l2": dict(metric, metric_rank=0, metric_strength=0.0)}  # G = lam I: distance, not dot product
+         "l2": dict(metric, attention=dict(rank=0, strength=0.0))}  # G = lam I: distance, not dot product
     for s in strengths:
-        v[f"shared-r4-s{s:g}"] = dict(metric, shared_metric=True, metric_rank=4, metric_strength=s)
+        v[f"shared-r4-s{s:g}"] = dict(metric, attention=dict(metric="shared", rank=4, strength=s))
     for side in sides:
         for r in ranks:
-            v[f"hetero-{side}-r{r}-s1"] = dict(metric, metric_side=side, metric_rank=r, metric_strength=1.0)
+            v[f"hetero-{side}-r{r}-s1"] = dict(metric, attention=dict(metric_side=side, rank=r, strength=1.0))
         for s in strengths:
-            v[f"hetero-{side}-r4-s{s:g}"] = dict(metric, metric_side=side, metric_rank=4, metric_strength=s)
+            v[f"hetero-{side}-r4-s{s:g}"] = dict(metric, attention=dict(metric_side=side, rank=4, strength=s))
     for c in connections:
-        v[f"fiber-{c}-key-r4-s1"] = dict(metric, connection=c, metric_side="key", metric_rank=4,
-                                         metric_strength=1.0)
+        v[f"fiber-{c}-key-r4-s1"] = dict(metric, attention=dict(connection=c, metric_side="key", rank=4,
+                                                                strength=1.0))
     return v
 
 
@@ -110,8 +110,8 @@ def run_init(args, variants, jobs, bar) -> dict:
                 torch.manual_seed(seed)
                 cfg = rr.FiberBundleConfig.attention_stack(d_model=args.d_model, n_heads=args.heads,
                                                            n_layers=args.depth, skip=skip, mlp=mlp, layer_norm=ln,
-                                                           qk_gain=gain, metric_form=args.metric_form,
-                                                           **over)
+                                                           **over).replace(
+                    attention=dict(qk_gain=gain, metric_form=args.metric_form))
                 stack = rr.FiberBundleTransformer(cfg).double()
                 g = torch.Generator().manual_seed(10_000 + seed)
                 X = torch.randn(args.batch, args.n, args.d_model, generator=g, dtype=torch.float64)
@@ -135,7 +135,7 @@ def run_trained(args, variants, archs, bar) -> dict:
                 cfg = rr.FiberBundleConfig.attention_stack(
                     d_model=args.train_d_model, n_heads=args.heads, n_layers=args.train_depth, skip=skip,
                     mlp=mlp, layer_norm=ln, vocab_size=args.train_vocab, n_classes=args.train_n,
-                    metric_form=args.metric_form, **over)
+                    **over).replace(attention=dict(metric_form=args.metric_form))
                 model = rr.FiberBundleTransformer(cfg)
                 task = dict(seq_len=args.train_n, vocab_size=args.train_vocab)
                 train = rr.counting(args.train_examples, generator=torch.Generator().manual_seed(30_000 + seed),

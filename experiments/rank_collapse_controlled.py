@@ -62,23 +62,24 @@ from riemannian_ref.analysis import (attention_entropy, collapse_bound, collapse
                                      linear_probe_accuracy)
 
 DT = torch.float64
-_METRIC = dict(mode="riemannian", metric_rank=4, metric_strength=1.0)
-#: name -> FiberBundleConfig.attention_stack overrides. The first block's metrics are computed
-#: from the tokens (the theorem's hypothesis); the "escape" ones are not, or transport.
+_METRIC = dict(rank=4, strength=1.0)  # the attention options of the metric variants
+#: name -> FiberBundleConfig.attention_stack overrides (the attention options nested). The first block's
+#: metrics are computed from the tokens (the theorem's hypothesis); the "escape" ones are not, or transport.
 VARIANTS = {
     "euclidean": dict(mode="euclidean"),
-    "l2": dict(mode="riemannian", metric_rank=0, metric_strength=0.0),
-    "shared": dict(_METRIC, shared_metric=True),
-    "hetero-key": dict(_METRIC, metric_side="key"),
-    "hetero-query": dict(_METRIC, metric_side="query"),
-    "hetero-mean": dict(_METRIC, metric_side="mean"),
-    "hetero-query-s4": dict(_METRIC, metric_side="query", metric_strength=4.0),
-    "fiber-trivial": dict(_METRIC, mode="fiber_bundle", connection="trivial", precondition_ffn=False),
-    "bias-key": dict(_METRIC, metric_bias=True),
-    "position-key": dict(_METRIC, position_metric=True),
-    "transport-flat": dict(_METRIC, connection="flat"),
-    "transport-content": dict(_METRIC, connection="content"),
-    "rope-keys": dict(mode="euclidean", connection="flat", transport_values=False),
+    "l2": dict(mode="riemannian", attention=dict(rank=0, strength=0.0)),
+    "shared": dict(mode="riemannian", attention=dict(_METRIC, metric="shared")),
+    "hetero-key": dict(mode="riemannian", attention=dict(_METRIC, metric_side="key")),
+    "hetero-query": dict(mode="riemannian", attention=dict(_METRIC, metric_side="query")),
+    "hetero-mean": dict(mode="riemannian", attention=dict(_METRIC, metric_side="mean")),
+    "hetero-query-s4": dict(mode="riemannian", attention=dict(_METRIC, metric_side="query", strength=4.0)),
+    "fiber-trivial": dict(mode="fiber_bundle", precondition_ffn=False,
+                          attention=dict(_METRIC, connection="trivial")),
+    "bias-key": dict(mode="riemannian", attention=dict(_METRIC, metric_bias=True)),
+    "position-key": dict(mode="riemannian", attention=dict(_METRIC, metric="position")),
+    "transport-flat": dict(mode="riemannian", attention=dict(_METRIC, connection="flat")),
+    "transport-content": dict(mode="riemannian", attention=dict(_METRIC, connection="content")),
+    "rope-keys": dict(mode="euclidean", attention=dict(connection="flat", transport_values=False)),
 }
 ESCAPES = ("position-key", "transport-flat", "transport-content", "rope-keys")
 SHARED_PARAMS = ("attn.w_q", "attn.w_k", "attn.v_proj.weight", "attn.v_proj.bias", "attn.out_proj.weight",
@@ -98,8 +99,8 @@ def build(name: str, seed: int, gain: float, args, depth: int | None = None) -> 
     torch.manual_seed(seed)
     ref = rr.FiberBundleTransformer(rr.FiberBundleConfig.attention_stack(**kw, **VARIANTS["euclidean"]))
     torch.manual_seed(seed)
-    model = rr.FiberBundleTransformer(rr.FiberBundleConfig.attention_stack(**kw, metric_form=form,
-                                                                           **VARIANTS[name]))
+    cfg = rr.FiberBundleConfig.attention_stack(**kw, **VARIANTS[name]).replace(attention=dict(metric_form=form))
+    model = rr.FiberBundleTransformer(cfg)
     with torch.no_grad():
         for blk, rblk in zip(model.blocks, ref.blocks):
             own, theirs = blk.state_dict(), rblk.state_dict()

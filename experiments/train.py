@@ -21,8 +21,11 @@ explicitly override it. Checkpoints go to ``checkpoints/`` (git-ignored);
 ``--resume`` continues an interrupted run exactly, and refuses a checkpoint
 written by a run with another configuration.
 
-Metric models are built with ``--metric-form`` (default ``factor``, G = lam I + U U^T,
-the form of the stored results; ``gains``, bounded gains, is the package default).
+The model is a :class:`riemannian_ref.FiberBundleConfig` (in a config file: its fields, the
+attention options nested as ``"attention": {...}``); its vocabulary, context and classes come
+from the task. Metric models are built with ``--metric-form`` (default ``factor``,
+G = lam I + U U^T, the form of the stored results; ``gains``, bounded gains, is the package
+default).
 
 Default file names carry a short hash of everything that defines the run
 (task, model, the training fields of :meth:`riemannian_ref.TrainConfig.run_fields`
@@ -71,23 +74,16 @@ class TaskConfig:
     train_fraction: float = 0.4  # modular
 
 
-@dataclass
-class ModelConfig:
-    mode: str = "euclidean"  # "euclidean", "riemannian" or "fiber_bundle"
-    d_model: int = 64  # width D
-    n_layers: int = 2
-    n_heads: int = 4
-    metric_rank: int = 2  # r (riemannian and fiber_bundle)
-    # the metric parameterisation (FiberBundleConfig.metric_form): "factor", G = lam I + U U^T, the form
-    # the stored results were made with; "gains" (bounded gains) is the package default
-    metric_form: str = "factor"
-    extra: dict = field(default_factory=dict)  # any further FiberBundleConfig fields, passed through
+def default_model() -> rr.FiberBundleConfig:
+    """The script's model: Euclidean, metrics (in the metric modes) of the factor form G = lam I + U U^T, the
+    form the stored results were made with (``"gains"``, bounded gains, is the package default)."""
+    return rr.FiberBundleConfig(mode="euclidean", attention=dict(metric_form="factor"))
 
 
 @dataclass
 class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: rr.FiberBundleConfig = field(default_factory=default_model)  # vocab, context, classes: from the task
     train: rr.TrainConfig = field(default_factory=rr.TrainConfig)
     model_seed: int = 0  # initialisation seed (the data seed is train.seed)
 
@@ -119,30 +115,29 @@ def task_data(tc: TaskConfig, seed: int, *, tune_fraction: float = 0.0,
     raise ValueError(f"task must be one of 'recall', 'lookup', 'modular', 'charlm', got {tc.name!r}")
 
 
-def model_config(mc: ModelConfig, vocab_size: int, block_size: int,
+def model_config(mc: rr.FiberBundleConfig, vocab_size: int, block_size: int,
                  n_classes: int | None = None) -> rr.FiberBundleConfig:
-    """The :class:`riemannian_ref.FiberBundleConfig` of the given mode and sizes (``extra`` passed through).
+    """The model config ``mc`` sized for the task's data.
 
     ``n_classes`` (a classification task such as ``lookup``) gives an untied head of that many outputs.
-    The metric parameterisation is ``mc.metric_form`` (``"factor"`` unless set), not the package default.
     """
-    if "metric_form" in mc.extra:
-        raise ValueError("ModelConfig.extra must not set metric_form: give it as ModelConfig.metric_form "
-                         "(--metric-form, or \"metric_form\" in the config file's \"model\")")
     head = {} if n_classes is None else {"n_classes": n_classes, "tie_weights": False}
-    return rr.FiberBundleConfig(vocab_size=vocab_size, block_size=block_size, d_model=mc.d_model,
-                                n_layers=mc.n_layers, n_heads=mc.n_heads, metric_rank=mc.metric_rank,
-                                metric_form=mc.metric_form, mode=mc.mode, **head, **mc.extra)
+    return mc.replace(vocab_size=vocab_size, block_size=block_size, **head)
 
 
-def build_model(mc: ModelConfig, vocab_size: int, block_size: int,
-                n_classes: int | None = None) -> torch.nn.Module:
-    """A :class:`riemannian_ref.FiberBundleTransformer` of the given mode and sizes."""
+def build_model(mc: rr.FiberBundleConfig, vocab_size: int, block_size: int,
+                n_classes: int | None = None) -> rr.FiberBundleTransformer:
+    """A :class:`riemannian_ref.FiberBundleTransformer` of config ``mc`` sized for the task's data."""
     return rr.FiberBundleTransformer(model_config(mc, vocab_size, block_size, n_classes))
 
 
 def _merge(dc, updates: dict):
     """A copy of dataclass ``dc`` with ``updates`` applied (recursing into nested dataclasses)."""
+    if isinstance(dc, rr.FiberBundleConfig):  # merges an "attention" dict; old flat names say where they moved
+        try:
+            return dc.replace(**updates)
+        except TypeError as exc:
+            raise ValueError(f"unknown config keys for FiberBundleConfig: {exc}") from None
     out = {}
     for f in dataclasses.fields(dc):
         cur = getattr(dc, f.name)
@@ -160,15 +155,8 @@ def _merge(dc, updates: dict):
 
 
 def run_id(cfg: RunConfig) -> str:
-    """Ten hex digits of a hash of what defines the run: task, model, training run fields, init seed.
-
-    A factor-form model (``metric_form="factor"``) hashes without the field, as every run did before it
-    existed: their default result files and checkpoints keep their names (and ``--resume`` finds them).
-    """
-    model = asdict(cfg.model)
-    if model["metric_form"] == "factor":
-        del model["metric_form"]
-    blob = {"task": asdict(cfg.task), "model": model, "train": cfg.train.run_fields(),
+    """Ten hex digits of a hash of what defines the run: task, model, training run fields, init seed."""
+    blob = {"task": asdict(cfg.task), "model": cfg.model.to_dict(), "train": cfg.train.run_fields(),
             "model_seed": cfg.model_seed}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
@@ -181,7 +169,8 @@ def default_paths(cfg: RunConfig) -> tuple[str, str]:
 
 def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", help="JSON file with {task: {...}, model: {...}, train: {...}}")
+    ap.add_argument("--config", help="JSON file with {task: {...}, model: {...}, train: {...}}; model: fields of "
+                                     "FiberBundleConfig, its attention options as attention: {...}")
     ap.add_argument("--task", choices=("recall", "lookup", "modular", "charlm"))
     ap.add_argument("--mode", choices=MODES)
     ap.add_argument("--d-model", type=int)
@@ -226,14 +215,14 @@ def parse_args(argv=None) -> tuple[RunConfig, argparse.Namespace]:
             cfg = _merge(cfg, json.load(f))
     task = {"name": a.task, "vocab_size": a.vocab_size, "n_pairs": a.n_pairs, "seq_len": a.seq_len, "p": a.p,
             "op": a.op, "n_keys": a.n_keys, "n_values": a.n_values, "corpus": a.corpus}
-    model = {"mode": a.mode, "d_model": a.d_model, "n_layers": a.n_layers, "n_heads": a.n_heads,
-             "metric_rank": a.metric_rank, "metric_form": a.metric_form}
+    model = {"mode": a.mode, "d_model": a.d_model, "n_layers": a.n_layers, "n_heads": a.n_heads}
+    attention = {k: v for k, v in (("rank", a.metric_rank), ("metric_form", a.metric_form)) if v is not None}
     train = {"optimizer": a.optimizer, "lr": a.lr, "weight_decay": a.weight_decay, "schedule": a.schedule,
              "warmup_steps": a.warmup_steps, "steps": a.steps, "batch_size": a.batch_size,
              "eval_interval": a.eval_interval, "seed": a.seed, "device": a.device,
              "stop_at_step": a.stop_at_step, "parallel": "fsdp" if a.fsdp else None}
     upd = {"task": {k: v for k, v in task.items() if v is not None},
-           "model": {k: v for k, v in model.items() if v is not None},
+           "model": {k: v for k, v in {**model, "attention": attention or None}.items() if v is not None},
            "train": {k: v for k, v in train.items() if v is not None}}
     if a.model_seed is not None:
         upd["model_seed"] = a.model_seed
@@ -273,7 +262,7 @@ def main(argv=None) -> dict:
         res = rr.train(model, train_data, val_data, cfg.train)
         wall = time.perf_counter() - t0
         record = {
-            "task": asdict(tc), "model": asdict(mc), "train": res.config, "model_seed": cfg.model_seed,
+            "task": asdict(tc), "model": model.config.to_dict(), "train": res.config, "model_seed": cfg.model_seed,
             "run_id": run_id(cfg),
             "world_size": world, "n_params": res.n_params, "steps_done": res.steps_done,
             "train_time_s": res.train_time_s, "wall_s": wall, "tokens_per_s": res.tokens_per_s,

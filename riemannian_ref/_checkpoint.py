@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ._io import atomic_write
+from .models.config import MOVED_FIELDS, FiberBundleConfig, nest_flat
 
 
 
@@ -66,8 +67,10 @@ def _loaded_type(module: str, name: str) -> type | tuple:
 
 __all__: list[str] = []  # private module
 
-#: Tag of the checkpoint layout written by :func:`write`.
-FORMAT = "riemannian_ref.train/1"
+#: Tag of the checkpoint layout written by :func:`write`. Version 1 held a FiberBundleConfig's attention
+#: options as flat fields of its ``model_config``; :func:`read` nests them (:func:`_nested_model_config`).
+FORMAT = "riemannian_ref.train/2"
+_FORMAT_1 = "riemannian_ref.train/1"
 
 # key -> (accepted types, what it is); read() checks each one
 _SCHEMA: dict[str, tuple[tuple[type, ...], str]] = {
@@ -191,6 +194,16 @@ def _load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, s
         g.update({k: v for k, v in s.items() if k != "params"})
 
 
+def _nested_model_config(mc):
+    """A format-1 ``model_config`` as format 2 records it: a flat FiberBundleConfig's attention options nested."""
+    if isinstance(mc, dict) and set(mc) & set(MOVED_FIELDS):
+        try:
+            return dataclasses.asdict(FiberBundleConfig(**nest_flat(mc)))
+        except (TypeError, ValueError):  # not a FiberBundleConfig of then: compared as it is
+            return mc
+    return mc
+
+
 def write(path: str, payload: dict[str, Any]) -> None:
     """Save ``payload`` (the keys of the schema, ``format`` added here) to ``path`` atomically.
 
@@ -217,6 +230,8 @@ def read(path: str, map_location=None) -> dict[str, Any]:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"checkpoint {path!r} cannot be read safely (only tensors and plain values are "
                          f"loaded, nothing in the file is run): {first}") from None
+    if isinstance(blob, dict) and blob.get("format") == _FORMAT_1:
+        blob = {**blob, "format": FORMAT, "model_config": _nested_model_config(blob.get("model_config"))}
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         got = blob.get("format") if isinstance(blob, dict) else type(blob).__name__
         raise ValueError(f"checkpoint {path!r} is not a riemannian_ref training checkpoint "
@@ -264,7 +279,9 @@ def _diff_dicts(saved: dict, now: dict, label: str, limit: int = 6) -> list[str]
     out = []
     for k in keys:
         a, b = saved.get(k, "<absent>"), now.get(k, "<absent>")
-        if _comparable(a) != _comparable(b):
+        if isinstance(a, dict) and isinstance(b, dict):  # a nested config (a model's attention): field by field
+            out += _diff_dicts(a, b, f"{label}{k}.", limit=len(a) + len(b))
+        elif _comparable(a) != _comparable(b):
             a, b = (tuple(x) if isinstance(x, list) else x for x in (a, b))
             out.append(f"{label}{k}: checkpoint {a!r}, now {b!r}")
     return out[:limit] + ([f"... and {len(out) - limit} more {label or 'fields'}"] if len(out) > limit else [])

@@ -5,7 +5,11 @@ import importlib.util
 import os
 import sys
 
+import dataclasses
+
 import torch
+
+import riemannian_ref as rr
 
 
 class Boom:
@@ -31,6 +35,17 @@ def payload_globals(path) -> list[str]:
     which inspects the pickle's opcodes and runs nothing.
     """
     return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+
+
+_OWN_FIELDS = {f.name for f in dataclasses.fields(rr.FiberBundleConfig)} - {"attention"}
+
+
+def nested(**kw) -> dict:
+    """Keyword arguments of a FiberBundleConfig preset: the model's fields as they are, the rest (options of
+    AttentionConfig, under its names) gathered into ``attention`` (variant tables list both in one dict)."""
+    out = {k: v for k, v in kw.items() if k in _OWN_FIELDS}
+    att = {k: v for k, v in kw.items() if k not in _OWN_FIELDS}
+    return {**out, "attention": att} if att else out
 
 
 def experiment_script(filename: str):

@@ -114,13 +114,13 @@ def test_key_padding_reaches_the_operator_as_a_per_key_mask(monkeypatch, gen):
 
 @pytest.mark.parametrize("make,exc,name", [
     (lambda: rr.FiberBundleConfig(n_heads=0), ValueError, "n_heads"),
-    (lambda: rr.FiberBundleConfig(lam_init=1e-3), ValueError, "lam_init"),  # at the floor
-    (lambda: rr.FiberBundleConfig(lam_init=5e-4), ValueError, "lam_init"),  # below it
-    (lambda: rr.FiberBundleConfig(lam_init=1e39), ValueError, "lam_init"),  # its raw parameter overflows
+    (lambda: rr.FiberBundleConfig(attention=dict(lam_init=1e-3)), ValueError, "lam_init"),  # at the floor
+    (lambda: rr.FiberBundleConfig(attention=dict(lam_init=5e-4)), ValueError, "lam_init"),  # below it
+    (lambda: rr.FiberBundleConfig(attention=dict(lam_init=1e39)), ValueError, "lam_init"),  # raw one overflows
     (lambda: rr.FiberBundleConfig(eta_init=float("nan")), ValueError, "eta_init"),
     (lambda: rr.FiberBundleConfig(eta_init=1e39), ValueError, "eta_init"),
-    (lambda: rr.FiberBundleConfig(metric_strength=-1.0), ValueError, "metric_strength"),
-    (lambda: rr.FiberBundleConfig(qk_gain=0.0), ValueError, "qk_gain"),
+    (lambda: rr.FiberBundleConfig(attention=dict(strength=-1.0)), ValueError, "strength"),
+    (lambda: rr.FiberBundleConfig(attention=dict(qk_gain=0.0)), ValueError, "qk_gain"),
     (lambda: rr.FiberBundleConfig(dropout=1.0), ValueError, "dropout"),
     (lambda: rr.FiberBundleConfig(skip=1), ValueError, "skip"),
     (lambda: rr.FiberBundleConfig(mode="hyperbolic"), ValueError, "mode"),
@@ -590,9 +590,9 @@ def _sweep_targets():
                                                   key_mask=torch.ones(2, 5, dtype=torch.bool), is_causal=False,
                                                   return_weights=False)),
         ("FiberBundleConfig", rr.FiberBundleConfig, dict(vocab_size=16, block_size=8, d_model=16, n_heads=2,
-                                                        n_layers=1, metric_rank=2, metric_strength=1.0,
-                                                        lam_init=1.0, eta_init=1.0, mlp_ratio=2, dropout=0.0,
-                                                        mode="fiber_bundle")),
+                                                        n_layers=1, eta_init=1.0, mlp_ratio=2, dropout=0.0,
+                                                        mode="fiber_bundle",
+                                                        attention=dict(rank=2, strength=1.0, lam_init=1.0))),
         ("FiberBundleTransformer.forward", m, dict(idx=torch.randint(16, (2, 8), generator=g),
                                                    targets=torch.randint(16, (2, 8), generator=g),
                                                    key_mask=torch.ones(2, 8, dtype=torch.bool),
@@ -600,7 +600,7 @@ def _sweep_targets():
         ("FiberBundleTransformer.generate", m.generate, dict(idx=torch.randint(16, (2, 3), generator=g),
                                                             max_new_tokens=2, temperature=1.0, top_k=3)),
         ("RecallHead", rr.RecallHead, dict(n_keys=8, n_values=4, d_model=8, head_dim=4, scores="dot",
-                                          metric_rank=2)),
+                                          attention=dict(rank=2))),
         ("count_parameters", rr.count_parameters, dict(model_or_config=cfg)),
         ("estimate_cost", rr.estimate_cost, dict(config=cfg, seq_len=8, batch=2, causal_skip=False, dtype_bytes=4,
                                                  optimizer_states=2, fused_content=True)),

@@ -19,19 +19,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import riemannian_ref as rr
+from _helpers import nested
 from riemannian_ref.attention import _content_cpu, functional
 from riemannian_ref.models.budget import attention_flops, estimate_cost
 
 aten = torch.ops.aten
 
-CONFIGS = [dict(mode="euclidean"), dict(mode="riemannian"), dict(mode="riemannian", metric_side="mean"),
+CONFIGS = [dict(mode="euclidean"), dict(mode="riemannian"), dict(mode="riemannian", metric_side="mean"),  # nested()
            dict(mode="riemannian", metric_side="query"), dict(mode="riemannian", connection="flat"),
            dict(mode="riemannian", connection="cumulative"),
-           dict(mode="riemannian", shared_metric=True), dict(mode="fiber_bundle"),
-           dict(mode="fiber_bundle", metric_side="mean"), dict(mode="riemannian", metric_subspace=2),
-           dict(mode="riemannian", metric_subspace=2, metric_side="mean"),
-           dict(mode="riemannian", metric_subspace=3, metric_side="query"),
-           dict(mode="riemannian", metric_subspace=2, connection="flat")]
+           dict(mode="riemannian", metric="shared"), dict(mode="fiber_bundle"),
+           dict(mode="fiber_bundle", metric_side="mean"), dict(mode="riemannian", subspace=2),
+           dict(mode="riemannian", subspace=2, metric_side="mean"),
+           dict(mode="riemannian", subspace=3, metric_side="query"),
+           dict(mode="riemannian", subspace=2, connection="flat")]
 
 
 def _inplace_bmm(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
@@ -69,7 +70,7 @@ def saved_bytes(model, idx):
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-content", "dense-content"])
 @pytest.mark.parametrize("extra", CONFIGS, ids=lambda e: "-".join(map(str, e.values())))
 def test_matmul_flops_and_activations_match_what_runs(extra, fused, monkeypatch):
-    content = rr.FiberBundleConfig.tiny(**extra).connection_resolved in ("content", "content_source")
+    content = rr.FiberBundleConfig.tiny(**nested(**extra)).connection_resolved in ("content", "content_source")
     if not fused:
         if not content:
             pytest.skip("the switch only changes the content connections")
@@ -78,19 +79,19 @@ def test_matmul_flops_and_activations_match_what_runs(extra, fused, monkeypatch)
         pytest.skip(f"no fused content kernel here: {_content_cpu.unavailable_reason()}")
     torch.manual_seed(0)
     n = 40
-    cfg = rr.FiberBundleConfig.tiny(block_size=n, metric_rank=3, **extra)
+    cfg = rr.FiberBundleConfig.tiny(block_size=n, **nested(rank=3, **extra))
     model = rr.FiberBundleTransformer(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, n))
     fwd, bwd = counted_flops(lambda: model(idx).logits)
     cost = estimate_cost(cfg, n, batch=2, fused_content=fused)
     tot = cost["flops"]["total"]
     # the math path does not recompute the scores in its backward, FlashAttention-2 does (2 n^2 hd per layer)
-    m = cfg.metric_subspace
+    m, att = cfg.attention.subspace, cfg.attention
     lifted = m is not None and cfg.connection_resolved == "trivial"  # factors in a subspace: SDPA, lifted inputs
-    on_sdpa = cfg.mode == "euclidean" or (cfg.shared_metric and cfg.connection != "content") or lifted
+    on_sdpa = cfg.mode == "euclidean" or (att.metric == "shared" and cfg.connection_resolved != "content") or lifted
     head = cfg.qk_dim + (1 if cfg.mode != "euclidean" else 0)  # the dot-product form carries the key term
     if lifted:  # and m(m+1)/2 coordinates per subspace side (both sides: m more for the key side's cross term)
-        head += m * (m + 1) // 2 * (2 if cfg.metric_side == "mean" else 1) + (m if cfg.metric_side == "mean" else 0)
+        head += m * (m + 1) // 2 * (2 if att.metric_side == "mean" else 1) + (m if att.metric_side == "mean" else 0)
     recompute = 2 * 2 * n * n * cfg.n_heads * head * cfg.n_layers if on_sdpa else 0
     assert tot["matmul_fwd"] == pytest.approx(fwd, rel=0.01)
     assert tot["matmul_bwd"] - recompute == pytest.approx(bwd, rel=0.01)
@@ -146,15 +147,15 @@ def test_pairwise_terms_and_memory_scale_as_expected():
 
 def test_subspace_metrics_cost_a_wider_dot_product_not_r_products():
     """With factors in an m-dim subspace the pairwise cost grows with m(m+1)/2, not with the rank r."""
-    base = rr.FiberBundleConfig.small(mode="riemannian", metric_rank=4)
-    sub = base.replace(metric_subspace=2)
+    base = rr.FiberBundleConfig.small(mode="riemannian", attention=dict(rank=4))
+    sub = base.replace(attention=dict(subspace=2))
     for seq in (1024, 4096):
         tok, lift = (estimate_cost(c, seq)["flops"]["attention"]["total"] for c in (base, sub))
         eu = estimate_cost(base.replace(mode="euclidean"), seq)["flops"]["attention"]["total"]
         assert eu < lift < tok
         net = (estimate_cost(c, seq)["flops"]["metric"]["total"] for c in (sub, base))
         assert next(net) < next(net)  # the network computes m r coefficients per head, not d r entries
-    r8 = estimate_cost(sub.replace(metric_rank=8), 4096)["flops"]["attention"]
+    r8 = estimate_cost(sub.replace(attention=dict(rank=8)), 4096)["flops"]["attention"]
     r4 = estimate_cost(sub, 4096)["flops"]["attention"]
     assert r8["total"] / r4["total"] < 1.01  # the rank only enters the per-token products
 

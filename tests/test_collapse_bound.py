@@ -13,27 +13,29 @@ import pytest
 import torch
 
 import riemannian_ref as rr
+from _helpers import nested
 from riemannian_ref.analysis import (attention_entropy, collapse_bound, collapse_depth, collapse_map,
                                      linear_probe_accuracy, token_radius)
 
 DT = torch.float64
-METRIC = dict(mode="riemannian", metric_rank=2, metric_form="factor")  # the form the bound is derived for
-TOKEN_VARIANTS = {  # the theorem's hypothesis: metrics computed from the token states
+METRIC = dict(mode="riemannian", rank=2, metric_form="factor")  # the form the bound is derived for
+TOKEN_VARIANTS = {  # the theorem's hypothesis: metrics computed from the token states (model fields and options)
     "euclidean": dict(mode="euclidean"),
-    "l2": dict(mode="riemannian", metric_rank=0, metric_strength=0.0),
-    "shared": dict(METRIC, shared_metric=True),
+    "l2": dict(mode="riemannian", rank=0, strength=0.0),
+    "shared": dict(METRIC, metric="shared"),
     "key": dict(METRIC, metric_side="key"),
     "query": dict(METRIC, metric_side="query"),
     "mean": dict(METRIC, metric_side="mean"),
     "bias": dict(METRIC, metric_bias=True),
     "temperature": dict(METRIC, metric_side="mean", learn_temperature=True),
 }
-POSITION_VARIANTS = {side: dict(METRIC, position_metric=True, metric_side=side) for side in ("key", "query", "mean")}
+POSITION_VARIANTS = {side: dict(METRIC, metric="position", metric_side=side) for side in ("key", "query", "mean")}
 
 
 def _layer(seed=0, gain=1.0, **kw):
     torch.manual_seed(seed)
-    cfg = rr.FiberBundleConfig.attention_stack(d_model=16, n_heads=2, n_layers=1, block_size=16, qk_gain=gain, **kw)
+    cfg = rr.FiberBundleConfig.attention_stack(d_model=16, n_heads=2, n_layers=1, block_size=16,
+                                               **nested(qk_gain=gain, **kw))
     attn = rr.FiberBundleTransformer(cfg).to(DT).blocks[0].attn
     if attn.log_temp is not None:
         with torch.no_grad():
@@ -82,15 +84,13 @@ def test_position_metric_ignores_the_state_and_covers_n_positions():
 
 
 def test_config_fields_reach_the_metric_network_and_bad_combinations_are_refused():
-    cfg = rr.FiberBundleConfig.attention_stack(mode="riemannian", position_metric=True, block_size=12)
-    a = cfg.attention_config(0)
+    cfg = rr.FiberBundleConfig.attention_stack(mode="riemannian", block_size=12, attention=dict(metric="position"))
+    a = cfg.attention
     assert a.metric == "position" and a.max_positions == 12
     attn = rr.RiemannianAttention(a)
     assert attn.metric.U_pos.shape[0] == 12 and attn.metric.proj is None
-    b = rr.FiberBundleConfig.attention_stack(mode="riemannian", metric_bias=True).attention_config(0)
+    b = rr.FiberBundleConfig.attention_stack(mode="riemannian", attention=dict(metric_bias=True)).attention
     assert b.metric_bias and rr.RiemannianAttention(b).metric.proj.bias is not None
-    with pytest.raises(ValueError, match="shared_metric and position_metric are exclusive"):
-        rr.FiberBundleConfig.attention_stack(mode="riemannian", position_metric=True, shared_metric=True)
     with pytest.raises(ValueError, match="metric_bias=True needs metric='token'"):
         rr.AttentionConfig(d_model=16, metric="shared", metric_bias=True)
     with pytest.raises(ValueError, match="metric='position' .* needs cross_attention=False"):
@@ -98,7 +98,7 @@ def test_config_fields_reach_the_metric_network_and_bad_combinations_are_refused
     with pytest.raises(ValueError, match="max_positions must be an int >= 1"):
         rr.AttentionConfig(d_model=16, max_positions=0)
     with pytest.raises(ValueError, match="metric_bias must be a bool"):
-        rr.FiberBundleConfig.attention_stack(metric_bias=1)
+        rr.FiberBundleConfig.attention_stack(attention=dict(metric_bias=1))
 
 
 @pytest.mark.parametrize("kw", [dict(METRIC, metric_bias=True), POSITION_VARIANTS["key"],
@@ -107,7 +107,7 @@ def test_identical_rows_stay_identical_with_the_new_metrics(kw):
     """Neither a bias nor a metric per position breaks the fixed point: the values are not transported."""
     torch.manual_seed(0)
     stack = rr.FiberBundleTransformer(rr.FiberBundleConfig.attention_stack(
-        d_model=16, n_heads=2, n_layers=4, block_size=16, **kw)).to(DT)
+        d_model=16, n_heads=2, n_layers=4, block_size=16, **nested(**kw))).to(DT)
     x = torch.randn(2, 1, 16, dtype=DT)
     H = stack(embeds=x.expand(2, 7, 16).contiguous(), return_hidden=True).hidden
     assert rr.relative_residual(H[-1], "fro").max() < 1e-12

@@ -432,7 +432,7 @@ def test_module_and_model_wiring(gen):
     torch.testing.assert_close(out, m.out_proj(o.transpose(1, 2).reshape(2, 9, 16)))
     assert cx.edge_rule("cumulative") == "cumulative"
 
-    mcfg = rr.FiberBundleConfig.tiny(mode="fiber_bundle", connection="cumulative", block_size=12)
+    mcfg = rr.FiberBundleConfig.tiny(mode="fiber_bundle", block_size=12, attention=dict(connection="cumulative"))
     assert not mcfg.uses_learned_positions  # the connection carries position
     torch.manual_seed(0)
     model = rr.FiberBundleTransformer(mcfg).double().eval()
@@ -445,8 +445,8 @@ def test_module_and_model_wiring(gen):
     idx2[:, -1] = (idx2[:, -1] + 1) % mcfg.vocab_size
     torch.testing.assert_close(model(idx2).logits[:, :-1], res.logits[:, :-1], rtol=0, atol=1e-12)
     # with the rate modulation switched off at init the model is the flat one, parameter for parameter
-    flat = rr.FiberBundleTransformer(mcfg.replace(connection="flat")).double().eval()
-    cum0 = rr.FiberBundleTransformer(mcfg.replace(content_rate_std=0.0)).double().eval()
+    flat = rr.FiberBundleTransformer(mcfg.replace(attention=dict(connection="flat"))).double().eval()
+    cum0 = rr.FiberBundleTransformer(mcfg.replace(attention=dict(content_rate_std=0.0))).double().eval()
     missing, unexpected = cum0.load_state_dict(flat.state_dict(), strict=False)
     assert not unexpected and missing and all(".attn.rates." in name for name in missing)
     torch.testing.assert_close(cum0(idx).logits, flat(idx).logits, rtol=0, atol=1e-12)
@@ -478,4 +478,4 @@ def test_bad_rates_and_positions_raise_naming_them(gen):
     with pytest.raises(ValueError, match="connection must be one of"):
         rr.AttentionConfig(connection="cumulativ")
     with pytest.raises(ValueError, match="must be even"):
-        rr.FiberBundleConfig.tiny(d_model=36, n_heads=4, connection="cumulative")
+        rr.FiberBundleConfig.tiny(d_model=36, n_heads=4, attention=dict(connection="cumulative"))

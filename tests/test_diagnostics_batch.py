@@ -2,7 +2,7 @@
 
 A batch of B sequences gives the per-example diagnostics averaged over the batch (each example's
 diagnostics come from a B = 1 call on it), and configurations whose metrics are all equal
-(``metric_rank=0``, or ``metric_strength=0`` at init) give finite diagnostics: the relative
+(``attention.rank=0``, or ``attention.strength=0`` at init) give finite diagnostics: the relative
 metric-compatibility defect is 0 there (the defect is exactly 0, not 0/0).
 """
 import itertools
@@ -11,18 +11,19 @@ import pytest
 import torch
 
 import riemannian_ref as rr
+from _helpers import nested
 from riemannian_ref.analysis.bundle import metric_compatibility_defect, sample_pairs
 
 FC = rr.FiberBundleConfig
 
-METRICS = {"token": {}, "shared": dict(shared_metric=True), "position": dict(position_metric=True)}
+METRICS = ("token", "shared", "position")
 CONNECTIONS = ("trivial", "flat", "content", "content_source", "cumulative")
 
 
 def _legal():
     for mode, metric, conn in itertools.product(("riemannian", "fiber_bundle"), METRICS, CONNECTIONS):
         try:
-            FC.tiny(mode=mode, connection=conn, **METRICS[metric])
+            FC.tiny(mode=mode, attention=dict(connection=conn, metric=metric))
         except ValueError:
             continue
         yield mode, metric, conn
@@ -32,7 +33,8 @@ def _legal():
 def test_diagnostics_of_a_batch_are_the_mean_of_the_per_example_ones(mode, metric, conn):
     # D7: the position metric's factors are [1, h, n, d, r]; a content connection's rates [B, h, n, d/2]
     torch.manual_seed(0)
-    model = rr.FiberBundleTransformer(FC.tiny(mode=mode, connection=conn, n_layers=2, **METRICS[metric])).double()
+    cfg = FC.tiny(mode=mode, n_layers=2, attention=dict(connection=conn, metric=metric))
+    model = rr.FiberBundleTransformer(cfg).double()
     model.eval()
     idx = torch.randint(0, 16, (2, 9), generator=torch.Generator().manual_seed(1))
     both = model(idx, return_diagnostics=True).diagnostics
@@ -49,14 +51,13 @@ def test_diagnostics_of_a_batch_are_the_mean_of_the_per_example_ones(mode, metri
         assert torch.isfinite(both["metric_heterogeneity"]).all()
 
 
-@pytest.mark.parametrize("kw", [dict(mode="riemannian", metric_strength=0.0), dict(metric_strength=0.0),
-                                dict(metric_rank=0), dict(mode="riemannian", metric_rank=0),
-                                dict(metric_rank=0, position_metric=True), dict(metric_strength=0.0,
-                                                                                 position_metric=True)])
+@pytest.mark.parametrize("kw", [dict(mode="riemannian", strength=0.0), dict(strength=0.0), dict(rank=0),
+                                dict(mode="riemannian", rank=0), dict(rank=0, metric="position"),
+                                dict(strength=0.0, metric="position")])
 def test_equal_metrics_give_finite_diagnostics(kw):
     # D8: every metric lam I: the heterogeneity is 0 and so is the defect, exactly; the ratio is 0
     torch.manual_seed(0)
-    model = rr.FiberBundleTransformer(FC.tiny(n_layers=2, **kw))
+    model = rr.FiberBundleTransformer(FC.tiny(n_layers=2, **nested(**kw)))
     idx = torch.randint(0, 16, (2, 8), generator=torch.Generator().manual_seed(1))
     diag = model(idx, return_diagnostics=True).diagnostics
     assert "metric_compatibility" in diag

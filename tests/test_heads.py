@@ -38,10 +38,10 @@ def _by_hand(m, idx):
     return m.out(o)[:, 0]
 
 
-@pytest.mark.parametrize("scores, metric_rank", [("dot", 2), ("metric", 0)])
-def test_forward_equals_the_head_by_hand(scores, metric_rank):
+@pytest.mark.parametrize("scores, rank", [("dot", 2), ("metric", 0)])
+def test_forward_equals_the_head_by_hand(scores, rank):
     torch.manual_seed(0)
-    m = rr.RecallHead(K, V, 16, 4, scores=scores, metric_rank=metric_rank).double()
+    m = rr.RecallHead(K, V, 16, 4, scores=scores, attention=dict(rank=rank)).double()
     d = _data()
     logits = m(d.x)
     assert logits.shape == (4, N + 1, V)
@@ -49,10 +49,10 @@ def test_forward_equals_the_head_by_hand(scores, metric_rank):
     torch.testing.assert_close(logits[:, -1], _by_hand(m, d.x), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("scores, metric_rank", [("dot", 2), ("metric", 0), ("metric", 2)])
-def test_gradients_reach_every_parameter(scores, metric_rank):
+@pytest.mark.parametrize("scores, rank", [("dot", 2), ("metric", 0), ("metric", 2)])
+def test_gradients_reach_every_parameter(scores, rank):
     torch.manual_seed(0)
-    m = rr.RecallHead(K, V, 16, 4, scores=scores, metric_rank=metric_rank)
+    m = rr.RecallHead(K, V, 16, 4, scores=scores, attention=dict(rank=rank))
     d = _data(8)
     loss = torch.nn.functional.cross_entropy(m(d.x)[:, -1], d.y[:, -1])
     loss.backward()
@@ -66,7 +66,7 @@ def test_gradients_reach_every_parameter(scores, metric_rank):
 def test_per_key_metrics_change_the_scores():
     """scores="metric" with rank 2 is not the rank-0 head: per-key metrics enter the scores."""
     torch.manual_seed(0)
-    m = rr.RecallHead(K, V, 16, 4, scores="metric", metric_rank=2).double()
+    m = rr.RecallHead(K, V, 16, 4, scores="metric", attention=dict(rank=2)).double()
     d = _data()
     ref = _by_hand(m, d.x)  # rank 0 formula with the same frames
     assert (m(d.x)[:, -1] - ref).abs().max() > 1e-3
@@ -89,7 +89,11 @@ def test_learns_pair_lookup_with_the_training_loop():
 @pytest.mark.parametrize("call, match", [
     (lambda: rr.RecallHead(4, 4, 8, 2, scores="cosine"), "scores must be one of"),
     (lambda: rr.RecallHead(4, 4, 8, 0), "head_dim must be an int >= 1"),
-    (lambda: rr.RecallHead(4, 4, 8, 2, metric_rank=-1), "metric_rank must be an int >= 0"),
+    (lambda: rr.RecallHead(4, 4, 8, 2, attention=dict(rank=-1)), "attention: rank must be an int >= 0"),
+    (lambda: rr.RecallHead(4, 4, 8, 2, attention=dict(d_model=4)), "attention.d_model is the head's width"),
+    (lambda: rr.RecallHead(4, 4, 8, 2, scores="metric", attention=dict(scores="dot")),
+     "attention.scores is set by RecallHead"),
+    (lambda: rr.RecallHead(4, 4, 8, 2, attention=[2]), "attention must be an AttentionConfig or a mapping"),
     (lambda: rr.RecallHead(4, 4, 8, 2)(torch.tensor([[0]])), r"n_pairs \+ 1"),
     (lambda: rr.RecallHead(4, 4, 8, 2)(torch.tensor([[0, 20]])), r"ids in \[0, n_keys"),
 ])

@@ -144,5 +144,6 @@ def test_configs_pass_the_form_to_the_metric_network():
     for form in ("gains", "factor"):
         layer = rr.RiemannianAttention(rr.AttentionConfig(d_model=16, n_heads=2, metric_form=form, max_gain=2.0))
         assert layer.metric.form == form and layer.metric.max_gain == 2.0
-        model = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(mode="riemannian", metric_form=form))
+        cfg = rr.FiberBundleConfig.tiny(mode="riemannian", attention=dict(metric_form=form))
+        model = rr.FiberBundleTransformer(cfg)
         assert all(b.attn.metric.form == form for b in model.blocks)

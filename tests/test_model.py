@@ -30,12 +30,12 @@ def _idx(gen, vocab=16, n=N):
 
 
 ALL_VARIANTS = (
-    [dict(mode="euclidean"), dict(mode="riemannian", metric_side="key"),
-     dict(mode="riemannian", metric_side="query", metric_rank=0),
-     dict(mode="riemannian", metric_side="mean", qk_init="orthonormal"),
-     dict(mode="riemannian", shared_metric=True, learn_temperature=True),
-     dict(mode="fiber_bundle", shared_metric=True, metric_side="mean", connection="flat")]
-    + [dict(mode="fiber_bundle", connection=c, metric_side=s, precondition_ffn=p)
+    [dict(mode="euclidean"), dict(mode="riemannian", attention=dict(metric_side="key")),
+     dict(mode="riemannian", attention=dict(metric_side="query", rank=0)),
+     dict(mode="riemannian", attention=dict(metric_side="mean", qk_init="orthonormal")),
+     dict(mode="riemannian", attention=dict(metric="shared", learn_temperature=True)),
+     dict(mode="fiber_bundle", attention=dict(metric="shared", metric_side="mean", connection="flat"))]
+    + [dict(mode="fiber_bundle", precondition_ffn=p, attention=dict(connection=c, metric_side=s))
        for c, s, p in itertools.product(CONNECTIONS, ("key", "query", "mean"), (True, False))]
 )
 
@@ -79,7 +79,7 @@ def test_causal_no_future_leak(gen, kw):
 
 def test_riemannian_with_zero_metric_factors_is_euclidean_plus_key_bias(gen):
     eu = _model(mode="euclidean")
-    ri = _model(seed=1, mode="riemannian", metric_rank=2, lam_init=1.0)
+    ri = _model(seed=1, mode="riemannian", attention=dict(rank=2, lam_init=1.0))
     missing, unexpected = ri.load_state_dict(eu.state_dict(), strict=False)
     assert not unexpected and all(".attn.metric." in m for m in missing)
     with torch.no_grad():
@@ -101,8 +101,9 @@ def test_riemannian_with_zero_metric_factors_is_euclidean_plus_key_bias(gen):
 
 
 def test_preconditioned_ffn_with_zero_factors_is_the_plain_ffn_scaled(gen):
-    fb = _model(mode="fiber_bundle", connection="trivial", precondition_ffn=True, lam_init=2.0, eta_init=0.5)
-    plain = _model(mode="fiber_bundle", connection="trivial", precondition_ffn=False, lam_init=2.0)
+    fb = _model(mode="fiber_bundle", precondition_ffn=True, eta_init=0.5,
+                attention=dict(connection="trivial", lam_init=2.0))
+    plain = _model(mode="fiber_bundle", precondition_ffn=False, attention=dict(connection="trivial", lam_init=2.0))
     plain.load_state_dict(fb.state_dict(), strict=False)
     blk, ref = fb.blocks[0], plain.blocks[0]
     with torch.no_grad():
@@ -113,7 +114,7 @@ def test_preconditioned_ffn_with_zero_factors_is_the_plain_ffn_scaled(gen):
 
 
 def test_preconditioned_ffn_is_a_dense_metric_solve(gen):
-    fb = _model(mode="fiber_bundle", connection="flat", ffn_metric_rank=3)
+    fb = _model(mode="fiber_bundle", ffn_metric_rank=3, attention=dict(connection="flat"))
     blk = fb.blocks[1]
     x = torch.randn(B, N, fb.config.d_model, generator=gen, dtype=torch.float64)
     y = x + blk.attn(blk.ln1(x))[0]
@@ -128,7 +129,7 @@ def test_diagnostics_values(gen):
     idx = _idx(gen)
     diags = {}
     for conn in CONNECTIONS:
-        out = _model(mode="fiber_bundle", connection=conn)(idx, return_diagnostics=True)
+        out = _model(mode="fiber_bundle", attention=dict(connection=conn))(idx, return_diagnostics=True)
         diags[conn] = out.diagnostics
         L, h = 2, 2
         for key in ("holonomy", "transport_closure", "metric_compatibility", "metric_heterogeneity", "lam"):
@@ -153,8 +154,8 @@ def test_diagnostics_values(gen):
 
 
 def test_content_with_zero_rate_modulation_equals_flat(gen):
-    flat = _model(mode="fiber_bundle", connection="flat")
-    content = _model(mode="fiber_bundle", connection="content", content_rate_std=0.0)
+    flat = _model(mode="fiber_bundle", attention=dict(connection="flat"))
+    content = _model(mode="fiber_bundle", attention=dict(connection="content", content_rate_std=0.0))
     missing, unexpected = content.load_state_dict(flat.state_dict(), strict=False)
     assert not unexpected and all(".attn.rates." in m for m in missing)
     idx = _idx(gen)
@@ -163,7 +164,7 @@ def test_content_with_zero_rate_modulation_equals_flat(gen):
 
 @pytest.mark.parametrize("stiefel", [True, False])
 def test_stiefel_frames_at_init(stiefel):
-    model = _model(dtype=torch.float32, qk_init="orthonormal" if stiefel else "normal", n_layers=3)
+    model = _model(dtype=torch.float32, n_layers=3, attention=dict(qk_init="orthonormal" if stiefel else "normal"))
     frames = model.qk_frame_parameters()
     cfg = model.config
     assert len(frames) == 2 * cfg.n_layers
@@ -201,7 +202,7 @@ def test_parameter_counts_and_matched_width():
 
 
 def test_generate(gen):
-    model = _model(dtype=torch.float32, mode="fiber_bundle", connection="content", block_size=16)
+    model = _model(dtype=torch.float32, mode="fiber_bundle", block_size=16, attention=dict(connection="content"))
     idx = _idx(gen, n=5)
     out = model.generate(idx, 20, temperature=0.0)  # runs past block_size: context is cropped
     assert out.shape == (B, 25) and torch.equal(out[:, :5], idx)
@@ -212,12 +213,13 @@ def test_generate(gen):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(d_model=30, n_heads=4), "divisible by n_heads"),
-    (dict(d_model=36, n_heads=4, mode="fiber_bundle", connection="flat"), "must be even"),
-    (dict(d_model=36, n_heads=4, mode="fiber_bundle", connection="content"), "must be even"),
+    (dict(d_model=36, n_heads=4, mode="fiber_bundle", attention=dict(connection="flat")), "must be even"),
+    (dict(d_model=36, n_heads=4, mode="fiber_bundle", attention=dict(connection="content")), "must be even"),
     (dict(mode="hyperbolic"), "mode must be one of"),
-    (dict(connection="levi-civita"), "connection must be one of"),
-    (dict(metric_side="both"), "metric_side must be one of"),
-    (dict(metric_rank=-1), "metric_rank"),
+    (dict(attention=dict(connection="levi-civita")), "attention: connection must be one of"),
+    (dict(attention=dict(metric_side="both")), "metric_side must be one of"),
+    (dict(attention=dict(rank=-1)), "rank must be an int >= 0"),
+    (dict(metric_rank=2), r"metric_rank moved to attention: use attention=dict\(rank=2\)"),
     (dict(dropout=1.0), "dropout"),
 ])
 def test_config_errors(kw, match):
@@ -226,12 +228,12 @@ def test_config_errors(kw, match):
 
 
 def test_odd_head_dim_is_fine_without_rotations_and_input_errors(gen):
-    rr.FiberBundleConfig.tiny(d_model=36, n_heads=4, mode="fiber_bundle", connection="trivial")
+    rr.FiberBundleConfig.tiny(d_model=36, n_heads=4, mode="fiber_bundle", attention=dict(connection="trivial"))
     rr.FiberBundleConfig.tiny(d_model=36, n_heads=4, mode="riemannian")
     model = _model(dtype=torch.float32, mode="euclidean")  # learned positions: block_size of them
     with pytest.raises(ValueError, match="exceeds block_size = 32"):
         model(_idx(gen, n=40))
-    rotary = _model(dtype=torch.float32, mode="fiber_bundle", connection="flat")  # no table, same limit
+    rotary = _model(dtype=torch.float32, mode="fiber_bundle", attention=dict(connection="flat"))  # no table, same limit
     with pytest.raises(ValueError, match="exceeds block_size = 32"):
         rotary(_idx(gen, n=40))
     with pytest.raises(ValueError, match="idx must be"):
@@ -246,8 +248,8 @@ def test_odd_head_dim_is_fine_without_rotations_and_input_errors(gen):
 
 # ------------------------------------------------------------------ save / load with the config
 
-SAVE_VARIANTS = [dict(mode="euclidean"), dict(mode="fiber_bundle", connection="content"),
-                 dict(mode="riemannian", tie_weights=False, shared_metric=True)]
+SAVE_VARIANTS = [dict(mode="euclidean"), dict(mode="fiber_bundle", attention=dict(connection="content")),
+                 dict(mode="riemannian", tie_weights=False, attention=dict(metric="shared"))]
 
 
 @pytest.mark.parametrize("kw", SAVE_VARIANTS, ids=_id)
@@ -271,14 +273,14 @@ def test_save_load_rebuilds_an_identical_model(gen, tmp_path, kw):
 
 
 def test_load_with_another_config_names_the_differing_fields(tmp_path):
-    model = _model(seed=3, dtype=torch.float32, mode="riemannian", metric_rank=2)
+    model = _model(seed=3, dtype=torch.float32, mode="riemannian", attention=dict(rank=2))
     path = tmp_path / "m.pt"
     model.save(path)
-    other = model.config.replace(metric_rank=3, lam_init=2.0)
+    other = model.config.replace(attention=dict(rank=3, lam_init=2.0))
     with pytest.raises(ValueError, match="saved with another config") as err:
         rr.FiberBundleTransformer.load(path, config=other)
     msg = str(err.value)
-    assert "metric_rank: file 2, expected 3" in msg and "lam_init: file 1.0, expected 2.0" in msg
+    assert "attention.rank: file 2, expected 3" in msg and "attention.lam_init: file 1.0, expected 2.0" in msg
     assert "d_model" not in msg and "mode" not in msg  # only the fields that differ
     assert str(path) in msg
 
@@ -305,8 +307,8 @@ def test_load_refuses_foreign_or_mismatched_files(tmp_path):
     torch.save(model.state_dict(), tmp_path / "sd.pt")  # a bare state dict
     with pytest.raises(ValueError, match="not a riemannian_ref model file"):
         rr.FiberBundleTransformer.load(tmp_path / "sd.pt")
-    cfg = {**model.config.__dict__, "n_layers": 3}  # weights of 2 layers under a 3-layer config
-    torch.save({"format": "riemannian_ref.FiberBundleTransformer/1", "config": cfg,
+    cfg = {**model.config.to_dict(), "n_layers": 3}  # weights of 2 layers under a 3-layer config
+    torch.save({"format": "riemannian_ref.FiberBundleTransformer/4", "config": cfg,
                 "state_dict": model.state_dict()}, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="the weights do not match the saved config"):
         rr.FiberBundleTransformer.load(tmp_path / "bad.pt")

@@ -14,20 +14,23 @@ import pytest
 import torch
 
 import riemannian_ref as rr
+from _helpers import nested
 from riemannian_ref import _io
 from riemannian_ref.models import transformer as tmod
+from riemannian_ref.models.config import ATTENTION_OPTIONS, nest_flat
 
 B, N = 2, 12
 V1 = "riemannian_ref.FiberBundleTransformer/1"
-# the config fields added while files were written in format 1 (none of them changes an older model)
+# the (flat) config fields added while files were written in format 1 (none of them changes an older model)
 FACTOR_FORM = {"metric_form": "factor", "max_gain": 4.0, "gain_bias": -2.0}  # metrics of formats 1 and 2
 V1_ADDED = {"position_metric": False, "metric_bias": False, "scale_residual": True, "metric_subspace": None,
             **FACTOR_FORM}
 
 
 def _model(seed=0, **kw):
+    """A tiny model; ``kw``: fields of the config and options of its attention."""
     torch.manual_seed(seed)
-    return rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(**kw)).eval()
+    return rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(**nested(**kw))).eval()
 
 
 def _same_weights(a, b):
@@ -168,26 +171,66 @@ def test_D2_a_config_missing_a_field_is_refused_naming_the_file_and_field(tmp_pa
         rr.FiberBundleTransformer.load(p, config=model.config.replace(causal=False, n_layers=3))
 
 
-def test_save_records_the_full_config_and_format_3(tmp_path):
+def test_save_records_the_full_config_and_format_4(tmp_path):
     model = _model(mode="riemannian", metric_bias=True)
     p = tmp_path / "m.pt"
     model.save(p)
     blob = torch.load(p, weights_only=True)
-    assert blob["format"] == "riemannian_ref.FiberBundleTransformer/3"
-    assert blob["config"] == dataclasses.asdict(model.config)
+    assert blob["format"] == "riemannian_ref.FiberBundleTransformer/4"
+    assert blob["config"] == model.config.to_dict() and blob["config"]["attention"]["metric_bias"] is True
     assert set(blob["config"]) == {f.name for f in dataclasses.fields(rr.FiberBundleConfig)}
+    assert set(blob["config"]["attention"]) == set(ATTENTION_OPTIONS)  # every option, none of the model's fields
+    assert blob["config"]["attention"]["connection"] is None  # left to the mode, and so it loads
+    back = rr.FiberBundleTransformer.load(p)
+    assert back.config == model.config and back.config.replace(mode="fiber_bundle").connection_resolved == "content"
+    for edit, msg in ((lambda c: c["attention"].pop("rank"), r"lacks the fields \['attention.rank'\]"),
+                      (lambda c: c["attention"].update(d_model=32), r"unknown fields \['attention.d_model'\]"),
+                      (lambda c: c.update(metric_rank=2), r"unknown fields \['metric_rank'\]"),
+                      (lambda c: c.update(attention=[2]), "attention is a list")):
+        model.save(p)
+        _rewrite(p, lambda b: edit(b["config"]))
+        with pytest.raises(ValueError, match=msg):
+            rr.FiberBundleTransformer.load(p)
 
 
 def _v1_file(path, model, drop=tuple(V1_ADDED)):
-    """A file as format-1 saves wrote it: the config of then (without the fields added since), the weights."""
-    cfg = {k: v for k, v in dataclasses.asdict(model.config).items() if k not in drop}
+    """A file as format-1 saves wrote it: the flat config of then (without the fields added since), the weights."""
+    cfg = {k: v for k, v in tmod._flat(model.config).items() if k not in drop}
     torch.save({"format": V1, "config": cfg, "state_dict": model.state_dict()}, path)
+
+
+def test_a_flat_format_3_file_written_by_the_package_before_nesting_loads_to_the_same_model(tmp_path, gen):
+    """The config as version 0.4 saved it, written out by hand: every attention option a field of its own."""
+    flat = dict(vocab_size=16, block_size=32, d_model=32, n_heads=2, head_dim=None, n_layers=2, mode="riemannian",
+                metric_side="mean", metric_rank=3, metric_strength=0.5, shared_metric=False, position_metric=True,
+                metric_bias=False, metric_subspace=None, metric_form="factor", max_gain=4.0, gain_bias=-2.0,
+                lam_init=1.5, learn_temperature=True, connection="flat", transport_values=False, rotary_base=100.0,
+                content_rate_std=0.5, precondition_ffn=None, ffn_metric_rank=2, eta_init=1.0,
+                learned_positions=None, skip=True, mlp=True, layer_norm=True, causal=True, mlp_ratio=4,
+                activation="gelu", bias=False, dropout=0.0, tie_weights=True, n_classes=None, init="gpt2",
+                scale_residual=True, qk_init="orthonormal", qk_gain=2.0)
+    model = _model(mode="riemannian", metric_side="mean", rank=3, strength=0.5, metric="position",
+                   metric_form="factor", lam_init=1.5, learn_temperature=True, connection="flat",
+                   transport_values=False, rotary_base=100.0, qk_init="orthonormal", qk_gain=2.0)
+    p = tmp_path / "v3.pt"
+    torch.save({"format": "riemannian_ref.FiberBundleTransformer/3", "config": flat,
+                "state_dict": model.state_dict()}, p)
+    back = rr.FiberBundleTransformer.load(p)  # the weights load strictly: same names and shapes
+    assert back.config == model.config and _same_weights(back, model)
+    idx = torch.randint(0, 16, (B, N), generator=gen)
+    assert torch.equal(back(idx).logits, model(idx).logits)
+    assert tmod._flat(model.config) == flat  # and the test's inverse writes what that version wrote
+    torch.save({"format": "riemannian_ref.FiberBundleTransformer/3",
+                "config": dict(flat, shared_metric=True), "state_dict": model.state_dict()}, p)
+    with pytest.raises(ValueError, match="shared_metric and position_metric are exclusive"):
+        rr.FiberBundleTransformer.load(p)
 
 
 def test_D2_a_format_1_file_is_migrated_with_the_old_behaviour(tmp_path, gen):
     # D2: the config fields added since format 1 get the values that reproduce a model of then
-    assert tmod._CONFIG_MIGRATIONS == {1: V1_ADDED, 2: FACTOR_FORM}
-    for kw in (dict(mode="euclidean", **FACTOR_FORM), dict(mode="fiber_bundle", causal=False, connection="flat", **FACTOR_FORM),
+    assert tmod._CONFIG_MIGRATIONS == {1: V1_ADDED, 2: FACTOR_FORM, 3: {}}
+    for kw in (dict(mode="euclidean", **FACTOR_FORM),
+               dict(mode="fiber_bundle", causal=False, connection="flat", **FACTOR_FORM),
                dict(mode="riemannian", metric_side="mean", **FACTOR_FORM)):
         model = _model(**kw)
         p = tmp_path / "v1.pt"
@@ -199,11 +242,11 @@ def test_D2_a_format_1_file_is_migrated_with_the_old_behaviour(tmp_path, gen):
     # the attention_stack preset switches scale_residual off today: its format-1 file still gets True,
     # the old behaviour (the division by sqrt(2L) at init was then always on with skip or gpt2 init)
     stack = rr.FiberBundleTransformer(rr.FiberBundleConfig.attention_stack(n_layers=2, d_model=16, block_size=8,
-                                                                          metric_form="factor"))
+                                                                          attention=dict(metric_form="factor")))
     _v1_file(p, stack)
     assert rr.FiberBundleTransformer.load(p).config == stack.config.replace(scale_residual=True)
     # a format-1 file written after some of those fields existed keeps its own values
-    model = _model(mode="riemannian", metric_bias=True, position_metric=False, metric_form="factor")
+    model = _model(mode="riemannian", metric_bias=True, metric_form="factor")
     _v1_file(p, model, drop=("scale_residual", "metric_subspace", *FACTOR_FORM))
     assert rr.FiberBundleTransformer.load(p).config == model.config
     # a format-1 file that lacks a field that format-1 saves always wrote is refused
@@ -215,11 +258,11 @@ def test_D2_a_format_1_file_is_migrated_with_the_old_behaviour(tmp_path, gen):
     _v1_file(p, model)  # metric_bias=True weights, read as metric_bias=False
     with pytest.raises(ValueError, match="the weights do not match"):
         rr.FiberBundleTransformer.load(p)
-    # a migrated file saved again is a format-3 file with the full config
+    # a migrated file saved again is a format-4 file with the full config
     _v1_file(p, _model(mode="riemannian", metric_form="factor"))
-    q = tmp_path / "v3.pt"
+    q = tmp_path / "v4.pt"
     rr.FiberBundleTransformer.load(p).save(q)
-    assert torch.load(q, weights_only=True)["format"].endswith("/3")
+    assert torch.load(q, weights_only=True)["format"].endswith("/4")
 
 
 def test_a_format_2_file_loads_with_the_factor_metrics_it_was_written_with(tmp_path, gen):
@@ -227,16 +270,16 @@ def test_a_format_2_file_loads_with_the_factor_metrics_it_was_written_with(tmp_p
     the three fields. A format-2 file with gains weights cannot exist; if forged, the weights check refuses it."""
     p = tmp_path / "v2.pt"
     old = _model(mode="riemannian", metric_form="factor")
-    cfg = {k: v for k, v in dataclasses.asdict(old.config).items() if k not in FACTOR_FORM}
+    cfg = {k: v for k, v in tmod._flat(old.config).items() if k not in FACTOR_FORM}
     torch.save({"format": "riemannian_ref.FiberBundleTransformer/2", "config": cfg, "state_dict": old.state_dict()},
                p)
     back = rr.FiberBundleTransformer.load(p)
-    assert back.config.metric_form == "factor" and back.config == old.config
+    assert back.config.attention.metric_form == "factor" and back.config == old.config
     idx = torch.randint(0, 16, (B, N), generator=gen)
     assert torch.equal(back(idx).logits, old(idx).logits)
     new = _model(mode="riemannian")  # today's default: gains
-    assert new.config.metric_form == "gains"
-    cfg = {k: v for k, v in dataclasses.asdict(new.config).items() if k not in FACTOR_FORM}
+    assert new.config.attention.metric_form == "gains"
+    cfg = {k: v for k, v in tmod._flat(new.config).items() if k not in FACTOR_FORM}
     torch.save({"format": "riemannian_ref.FiberBundleTransformer/2", "config": cfg, "state_dict": new.state_dict()},
                p)
     with pytest.raises(ValueError, match="the weights do not match"):
@@ -247,9 +290,9 @@ def test_D2_a_format_1_file_with_the_content_connection_needs_its_rule_stated(tm
     # D2: connection="content" meant the source rule in 0.2.0 (today's "content_source") and the two-endpoint
     # rule later; a format-1 file without scale_residual does not say which, so the caller must
     torch.manual_seed(0)
-    old = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(connection="content_source", metric_form="factor")).eval()
+    old = _model(connection="content_source", metric_form="factor")
     p = tmp_path / "v020.pt"
-    cfg = {k: v for k, v in dataclasses.asdict(old.config).items() if k not in V1_ADDED}
+    cfg = {k: v for k, v in tmod._flat(old.config).items() if k not in V1_ADDED}
     cfg["connection"] = None  # as 0.2.0 saved the fiber_bundle default
     torch.save({"format": V1, "config": cfg, "state_dict": old.state_dict()}, p)
     with pytest.raises(ValueError, match="connection='content_source'") as err:
@@ -258,11 +301,16 @@ def test_D2_a_format_1_file_with_the_content_connection_needs_its_rule_stated(tm
     back = rr.FiberBundleTransformer.load(p, config=old.config)  # the rule stated: the model of 0.2.0
     idx = torch.randint(0, 16, (B, N), generator=gen)
     assert back.config == old.config and torch.equal(back(idx).logits, old(idx).logits)
-    q = tmp_path / "v2.pt"
-    back.save(q)  # saved again: format 2 records the rule
-    assert rr.FiberBundleTransformer.load(q).config.connection == "content_source"
+    q = tmp_path / "v4.pt"
+    back.save(q)  # saved again: the current format records the rule
+    assert rr.FiberBundleTransformer.load(q).config.connection_resolved == "content_source"
     with pytest.raises(ValueError, match="connection it was trained with"):  # not a content rule
-        rr.FiberBundleTransformer.load(p, config=old.config.replace(connection="flat"))
+        rr.FiberBundleTransformer.load(p, config=old.config.replace(attention=dict(connection="flat")))
+    # the way the load docstring shows: the file's flat config nested, the rule stated
+    saved = nest_flat(torch.load(p, weights_only=True)["config"])
+    saved["attention"].update(connection="content_source", metric_form="factor")  # its rule, its metrics
+    again = rr.FiberBundleTransformer.load(p, config=rr.FiberBundleConfig(**saved))
+    assert again.config == old.config.replace(scale_residual=True) and _same_weights(again, old)
     # a format-1 file that records scale_residual was written after the change: "content" is today's rule
     new = _model()
     _v1_file(p, new, drop=("metric_subspace",))
@@ -273,7 +321,7 @@ def test_D2_unknown_format_versions_and_unknown_fields_are_refused(tmp_path):
     model = _model()
     p = tmp_path / "m.pt"
     model.save(p)
-    for fmt, msg in (("riemannian_ref.FiberBundleTransformer/4", "format version 4"),
+    for fmt, msg in (("riemannian_ref.FiberBundleTransformer/5", "format version 5"),
                      ("riemannian_ref.FiberBundleTransformer/0", "format version 0"),
                      ("riemannian_ref.FiberBundleTransformer/x", "not a riemannian_ref model file"),
                      (2, "not a riemannian_ref model file"), (None, "not a riemannian_ref model file")):
@@ -374,7 +422,7 @@ def test_D22_sizes_beyond_an_int64_element_count_are_refused_naming_the_field():
     rr.FiberBundleConfig(vocab_size=256_000, d_model=16_384, n_heads=128, n_layers=128, block_size=2**20,
                          mode="euclidean", tie_weights=False)
     rr.FiberBundleConfig(vocab_size=256_000, d_model=16_384, n_heads=128, n_layers=128, block_size=2**20,
-                         metric_rank=64, ffn_metric_rank=64, position_metric=True)
+                         ffn_metric_rank=64, attention=dict(rank=64, metric="position"))
 
 
 def test_load_keeps_the_saved_dtype(tmp_path):

@@ -4,13 +4,22 @@ Every preset in every mode builds and takes a training step through rr.train
 (the full-batch loss falls); the attention stacks keep the properties the
 rank-collapse chapters rely on (row-stochastic mixing, identical rows as a
 fixed point, collapse without skips); the grokking preset has orthonormal
-frames and is causal.
+frames and is causal. The config holds one AttentionConfig: presets and
+``replace`` merge attention options, the model sets the attention's sizes, and
+every option of AttentionConfig reaches every block unchanged.
 """
+import dataclasses
+
 import pytest
 import torch
 
 import riemannian_ref as rr
+from riemannian_ref.attention import layer as attention_layer
+from riemannian_ref.geometry.metric import METRIC_FORMS
+from riemannian_ref.geometry.scores import METRIC_SIDES
+from riemannian_ref.geometry.transport import CONNECTIONS
 from riemannian_ref.models import MODES
+from riemannian_ref.models import config as config_module
 
 DT = torch.float64
 FBC = rr.FiberBundleConfig
@@ -55,11 +64,11 @@ def test_every_preset_builds_and_takes_a_training_step(preset, mode):
     assert rr.evaluate(model, data)["loss"] == pytest.approx(l1, rel=1e-6)
 
 
-@pytest.mark.parametrize("scores, metric_rank", [("dot", 2), ("metric", 0), ("metric", 2)])
-def test_recall_head_takes_a_training_step_on_pair_lookup(scores, metric_rank):
+@pytest.mark.parametrize("scores, rank", [("dot", 2), ("metric", 0), ("metric", 2)])
+def test_recall_head_takes_a_training_step_on_pair_lookup(scores, rank):
     data = rr.pair_lookup(32, n_keys=10, n_values=5, n_pairs=4, generator=_g(0))
     torch.manual_seed(0)
-    head = rr.RecallHead(10, 5, 16, 4, scores=scores, metric_rank=metric_rank)
+    head = rr.RecallHead(10, 5, 16, 4, scores=scores, attention=dict(rank=rank))
     before = head.attn.w_q.detach().clone()
     res = rr.train(head, data, data, rr.TrainConfig(lr=1e-3, steps=1, batch_size=None, eval_interval=1))
     l0, l1 = res.history["val_loss"]
@@ -71,12 +80,12 @@ def test_preset_fields():
     assert (t.vocab_size, t.block_size, t.d_model, t.n_heads, t.n_layers, t.mode) == (16, 32, 32, 2, 2,
                                                                                        "fiber_bundle")
     s = FBC.small()
-    assert (s.vocab_size, s.block_size, s.d_model, s.n_heads, s.n_layers, s.metric_rank) == (64, 128, 64, 4, 4, 4)
+    assert (s.vocab_size, s.block_size, s.d_model, s.n_heads, s.n_layers, s.attention.rank) == (64, 128, 64, 4, 4, 4)
     a = FBC.attention_stack()
     assert a.vocab_size is None and a.out_dim is None and (a.skip, a.mlp, a.layer_norm, a.causal) == (False,) * 4
     assert a.mode == "euclidean" and not a.uses_learned_positions and not a.precondition_ffn_resolved
     gk = FBC.grokking(98)
-    assert (gk.vocab_size, gk.block_size, gk.n_layers, gk.mode, gk.qk_init, gk.tie_weights) == (
+    assert (gk.vocab_size, gk.block_size, gk.n_layers, gk.mode, gk.attention.qk_init, gk.tie_weights) == (
         98, 3, 1, "euclidean", "orthonormal", False)
     assert FBC.tiny(d_model=48).d_model == 48 and FBC.grokking(5, n_heads=2).n_heads == 2  # overrides
     assert t.replace(mode="euclidean") == FBC.tiny(mode="euclidean")
@@ -84,16 +93,104 @@ def test_preset_fields():
         t.mode = "euclidean"
 
 
+# ------------------------------------------------------------------ one nested attention config
+
+def test_attention_options_merge_into_the_preset_and_follow_the_model():
+    s = FBC.small(attention=dict(metric_side="mean"))
+    assert (s.attention.rank, s.attention.metric_side) == (4, "mean")  # merged into the preset's rank 4
+    r = s.replace(attention=dict(metric="shared"))
+    assert (r.attention.rank, r.attention.metric_side, r.attention.metric) == (4, "mean", "shared")
+    w = s.replace(d_model=128, n_heads=8, block_size=64, causal=False, init="unit", mode="euclidean")
+    a = w.attention  # the model's fields re-derived, the options kept
+    assert (a.d_model, a.n_heads, a.max_positions, a.causal, a.scores, a.init_std) == (128, 8, 64, False, "dot", None)
+    assert (a.rank, a.metric_side) == (4, "mean") and FBC(**w.to_dict()) == w
+    whole = FBC.small(attention=rr.AttentionConfig(rank=1))  # an AttentionConfig: every option at once
+    assert whole.attention.rank == 1 and whole.attention.max_positions == 128
+    # a connection left to the mode follows the mode through replace; one that is given stays
+    fb = FBC.tiny()
+    assert fb.attention.connection == "content" and fb.replace(mode="euclidean").connection_resolved == "trivial"
+    assert fb.replace(mode="riemannian").replace(mode="fiber_bundle").connection_resolved == "content"
+    given = FBC.tiny(mode="riemannian", attention=dict(connection="trivial"))
+    assert given.replace(mode="fiber_bundle").connection_resolved == "trivial"
+    assert rr.AttentionConfig().connection is None and rr.AttentionConfig().connection_resolved == "trivial"
+
+
+def test_old_flat_names_say_where_they_moved():
+    for make in (FBC.tiny, FBC.small, FBC.attention_stack, lambda **kw: FBC.grokking(5, **kw), FBC.tiny().replace):
+        with pytest.raises(ValueError, match=r"metric_rank moved to attention: use attention=dict\(rank=4\)"):
+            make(metric_rank=4)
+    with pytest.raises(ValueError, match=r"shared_metric moved to attention: use attention=dict\(metric='shared'\)"):
+        FBC.tiny(shared_metric=True)
+    for old, new in config_module.MOVED_FIELDS.items():
+        with pytest.raises(ValueError, match=f"{old} moved to attention: use attention=dict\\({new}="):
+            FBC.tiny(**{old: True if new == "metric" else 1})
+    with pytest.raises(ValueError, match="unknown fields \\['metric_rank'\\].*metric_rank is now rank"):
+        FBC.tiny(attention=dict(metric_rank=2))
+    with pytest.raises(ValueError, match="attention must be an AttentionConfig or a mapping"):
+        FBC.tiny(attention=2)
+
+
+@pytest.mark.parametrize("field, value, where", [
+    ("d_model", 8, "the model's width: set FiberBundleConfig.d_model"),
+    ("max_positions", 8, "the model's context: set FiberBundleConfig.block_size"),
+    ("scores", "dot", "set by the mode: set FiberBundleConfig.mode"),
+    ("init_std", 0.5, "set by the init scheme: set FiberBundleConfig.init"),
+    ("cross_attention", True, "not an option of the model"),
+])
+def test_the_models_fields_of_the_attention_come_from_the_model(field, value, where):
+    with pytest.raises(ValueError, match=f"attention.{field} is {where}"):
+        FBC.tiny(mode="riemannian", attention={field: value})
+    assert getattr(FBC.tiny(attention={field: getattr(FBC.tiny().attention, field)}).attention, field) == getattr(
+        FBC.tiny().attention, field)  # the model's own value is accepted (and AttentionConfig's default)
+    with pytest.raises(ValueError, match=r"attention: subspace must be an int in \[1, 16\]"):  # the model's d
+        FBC.tiny(mode="riemannian", attention=dict(subspace=17))
+
+
+def _another_value(default):
+    """Values to try for an option other than its default (the first one accepted is used)."""
+    if isinstance(default, bool):
+        return [not default]
+    if isinstance(default, (int, float)):
+        return [default * 2 if default else 1, default + 1, default / 2]
+    choices = [c for t in (attention_layer.SCORES, attention_layer.METRICS, attention_layer.QK_INITS, METRIC_SIDES,
+                           METRIC_FORMS, CONNECTIONS) for c in t]
+    if default is None:
+        return [1, 2, 0.5, *choices]
+    return [c for t in (attention_layer.SCORES, attention_layer.METRICS, attention_layer.QK_INITS, METRIC_SIDES,
+                        METRIC_FORMS, CONNECTIONS) if default in t for c in t if c != default]
+
+
+@pytest.mark.parametrize("option", config_module.ATTENTION_OPTIONS)
+def test_every_attention_option_reaches_every_block_unchanged(option):
+    """Adding an attention option takes one field of AttentionConfig and its code in RiemannianAttention: the
+    model passes any option through (this test covers a new field by itself, from dataclasses.fields)."""
+    owned = {f.name for f in dataclasses.fields(rr.AttentionConfig)} - set(config_module.ATTENTION_OPTIONS)
+    assert owned == set(config_module._MODEL_OWNED)
+    default = {f.name: f.default for f in dataclasses.fields(rr.AttentionConfig)}[option]
+    for value in _another_value(default):
+        try:
+            cfg = FBC.tiny(mode="riemannian", attention={option: value})
+        except ValueError:
+            continue
+        break
+    else:
+        pytest.fail(f"no value other than the default {default!r} of {option} was accepted: extend _another_value")
+    model = rr.FiberBundleTransformer(cfg)
+    for blk in model.blocks:
+        assert blk.attn.config is cfg.attention and getattr(blk.attn.config, option) == value
+    assert FBC(**cfg.to_dict()).attention == cfg.attention  # and a saved config keeps it
+
+
 # ------------------------------------------------------------------ attention stacks (rank collapse)
 
 VARIANTS = [
     dict(mode="euclidean"),
-    dict(mode="riemannian", shared_metric=True, metric_rank=2),
-    dict(mode="riemannian", metric_side="key", metric_rank=2),
-    dict(mode="riemannian", metric_side="query", metric_rank=1),
-    dict(mode="riemannian", metric_side="mean", metric_rank=3),
-    dict(mode="riemannian", connection="flat", metric_rank=2),
-    dict(mode="riemannian", connection="content", metric_side="mean", metric_rank=2),
+    dict(mode="riemannian", attention=dict(metric="shared", rank=2)),
+    dict(mode="riemannian", attention=dict(metric_side="key", rank=2)),
+    dict(mode="riemannian", attention=dict(metric_side="query", rank=1)),
+    dict(mode="riemannian", attention=dict(metric_side="mean", rank=3)),
+    dict(mode="riemannian", attention=dict(connection="flat", rank=2)),
+    dict(mode="riemannian", attention=dict(connection="content", metric_side="mean", rank=2)),
 ]
 ARCHS = [dict(), dict(skip=True), dict(mlp=True), dict(skip=True, mlp=True, layer_norm=True)]
 
@@ -136,8 +233,8 @@ def test_euclidean_stack_layer_is_sdpa(gen):
 
 def test_fiber_bundle_mode_with_its_components_off_is_riemannian_mode(gen):
     X = torch.randn(2, 6, 16, generator=gen, dtype=DT)
-    a = stack(mode="riemannian", metric_rank=2, metric_side="mean")
-    b = stack(mode="fiber_bundle", connection="trivial", metric_rank=2, metric_side="mean")
+    a = stack(mode="riemannian", attention=dict(rank=2, metric_side="mean"))
+    b = stack(mode="fiber_bundle", attention=dict(connection="trivial", rank=2, metric_side="mean"))
     assert a.state_dict().keys() == b.state_dict().keys()
     torch.testing.assert_close(a(embeds=X, return_hidden=True).hidden, b(embeds=X, return_hidden=True).hidden)
 
@@ -145,11 +242,11 @@ def test_fiber_bundle_mode_with_its_components_off_is_riemannian_mode(gen):
 def test_strength_zero_metrics_agree(gen):
     """U = 0 at init: per-token metrics are lam I, whatever the side."""
     X = torch.randn(2, 6, 16, generator=gen, dtype=DT)
-    outs = [stack(mode="riemannian", metric_rank=2, metric_strength=0.0, metric_side=s)(
+    outs = [stack(mode="riemannian", attention=dict(rank=2, strength=0.0, metric_side=s))(
         embeds=X, return_hidden=True).hidden for s in ("key", "query", "mean")]
     torch.testing.assert_close(outs[0], outs[1])
     torch.testing.assert_close(outs[0], outs[2])
-    hetero = stack(mode="riemannian", metric_rank=2, metric_side="key")(embeds=X, return_hidden=True).hidden
+    hetero = stack(mode="riemannian", attention=dict(rank=2, metric_side="key"))(embeds=X, return_hidden=True).hidden
     assert (hetero - outs[0]).abs().max() > 1e-3
 
 
@@ -161,7 +258,7 @@ def test_identical_rows_are_a_fixed_point_unless_values_are_transported(gen, var
     X = x.expand(2, 7, 16).contiguous()
     H = stack(**variant, **arch)(embeds=X, return_hidden=True).hidden
     r = rr.relative_residual(H[-1], "fro")
-    if variant.get("connection") in ("flat", "content"):
+    if variant.get("attention", {}).get("connection") in ("flat", "content"):
         assert torch.all(r > 1e-3)
     else:
         assert torch.all(r < 1e-12)
@@ -177,7 +274,7 @@ def test_pure_stack_collapses_and_skip_stops_it(gen):
 
 def test_qk_gain_scales_the_frames(gen):
     a = stack(mode="euclidean").blocks[0].attn
-    b = stack(mode="euclidean", qk_gain=2.0).blocks[0].attn
+    b = stack(mode="euclidean", attention=dict(qk_gain=2.0)).blocks[0].attn
     torch.testing.assert_close(b.w_q, 2 * a.w_q)
     torch.testing.assert_close(b.w_k, 2 * a.w_k)
     assert torch.equal(b.v_proj.weight, a.v_proj.weight)
@@ -207,9 +304,9 @@ def test_path_products(gen):
 @pytest.mark.parametrize("kw, match", [
     (dict(mode="cosine"), "mode must be one of"),
     (dict(d_model=10, n_heads=3), "divisible"),
-    (dict(connection="levi-civita"), "connection must be one of"),
+    (dict(attention=dict(connection="levi-civita")), "connection must be one of"),
     (dict(n_layers=0), "n_layers must be an int >= 1"),
-    (dict(qk_gain=0.0), "qk_gain"),
+    (dict(attention=dict(qk_gain=0.0)), "qk_gain"),
     (dict(n_classes=4), "n_classes needs a vocab_size"),
     (dict(precondition_ffn=True), "precondition_ffn needs mlp=True"),
 ])

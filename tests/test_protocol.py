@@ -18,7 +18,7 @@ def data(seed):
 
 
 def head(scores):
-    return lambda: rr.RecallHead(6, 4, 16, 2, scores=scores, metric_rank=0)
+    return lambda: rr.RecallHead(6, 4, 16, 2, scores=scores, attention=dict(rank=0))
 
 
 ARMS = {"dot": Arm(head("dot")), "distance": Arm(head("metric"))}
@@ -96,7 +96,7 @@ from riemannian_ref.protocol import Arm
 def data(seed):
     return rr.data.make_task("lookup", seed=seed, n_train=256, n_val=64, n_keys=6, n_values=4, n_pairs=3)
 
-arms = {s: Arm(lambda s=s: rr.RecallHead(6, 4, 16, 2, scores=s, metric_rank=0)) for s in ("dot", "metric")}
+arms = {s: Arm(lambda s=s: rr.RecallHead(6, 4, 16, 2, scores=s, attention=dict(rank=0))) for s in ("dot", "metric")}
 cfg = rr.TrainConfig(steps=12, batch_size=32, eval_interval=4, schedule="constant")
 kw = dict(lrs=(3e-3, 3e-2), tune_seeds=(100,), eval_seeds=(0, 1), wallclock=True,
           wallclock_steps={"dot": 12, "metric": 6})

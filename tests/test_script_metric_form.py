@@ -6,10 +6,8 @@ Each script that builds metric networks takes ``--metric-form`` (default
 ``factor``), passes it to every metric it builds and records it. Tiny runs
 only: what is checked is the models the scripts build, not what they learn.
 """
-import hashlib
 import json
 from argparse import Namespace
-from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -36,29 +34,26 @@ def test_train_script_builds_and_records_the_metric_form(tmp_path, monkeypatch, 
             "--batch-size", "4", "--device", "cpu", "--no-progress", "--out", str(tmp_path / "r.json"),
             "--checkpoint", str(tmp_path / "c.pt"), *flag]
     record = script.main(args)
-    assert _forms(built[0]) == {form} and record["model"]["metric_form"] == form
-    assert json.loads((tmp_path / "r.json").read_text())["model"]["metric_form"] == form
+    assert _forms(built[0]) == {form} and record["model"]["attention"]["metric_form"] == form
+    assert json.loads((tmp_path / "r.json").read_text())["model"]["attention"]["metric_form"] == form
 
 
-def test_train_script_run_ids_of_factor_runs_are_those_before_the_option():
-    """A factor run hashes as before the field existed: its default files (and its --resume) are unchanged."""
+def test_train_script_takes_a_fiber_bundle_config():
+    """The script's model is a FiberBundleConfig: a config file nests the attention options, flags set them,
+    old flat names say where they moved."""
     script = train_script()
-    base = ["--task", "recall", "--mode", "riemannian", "--seed", "0", "--steps", "10"]
-    cfg, _ = script.parse_args(base)
-    assert cfg.model.metric_form == "factor"
-    model = asdict(cfg.model)
-    del model["metric_form"]
-    blob = {"task": asdict(cfg.task), "model": model, "train": cfg.train.run_fields(), "model_seed": cfg.model_seed}
-    legacy = hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    assert script.run_id(cfg) == legacy
-    gains, _ = script.parse_args(base + ["--metric-form", "gains"])
-    assert script.run_id(gains) != legacy
-
-
-def test_train_script_refuses_metric_form_in_extra():
-    script = train_script()
-    with pytest.raises(ValueError, match="metric_form"):
-        script.model_config(script.ModelConfig(mode="riemannian", extra={"metric_form": "gains"}), 16, 12)
+    cfg, _ = script.parse_args(["--task", "recall", "--mode", "riemannian"])
+    assert isinstance(cfg.model, rr.FiberBundleConfig) and cfg.model.attention.metric_form == "factor"
+    cfg, _ = script.parse_args(["--metric-rank", "3", "--metric-form", "gains"])
+    assert (cfg.model.attention.rank, cfg.model.attention.metric_form) == (3, "gains")
+    assert script.run_id(cfg) != script.run_id(script.parse_args([])[0])
+    with pytest.raises(ValueError, match=r"metric_rank moved to attention: use attention=dict\(rank=3\)"):
+        script._merge(script.RunConfig(), {"model": {"metric_rank": 3}})
+    with pytest.raises(ValueError, match="unknown config keys for FiberBundleConfig"):
+        script._merge(script.RunConfig(), {"model": {"depth": 3}})
+    merged = script._merge(script.RunConfig(), {"model": {"d_model": 32, "attention": {"metric_side": "mean"}}})
+    assert (merged.model.d_model, merged.model.attention.d_model) == (32, 32)
+    assert (merged.model.attention.metric_side, merged.model.attention.metric_form) == ("mean", "factor")
 
 
 @pytest.mark.parametrize("flag, form", [([], "factor"), (["--metric-form", "gains"], "gains")])
@@ -75,7 +70,7 @@ def test_compare_script_builds_and_records_the_metric_form(tmp_path, monkeypatch
     assert {f for m in built for f in _forms(m)} == {form}
     res = json.loads(out.read_text())
     assert res["metric_form"] == form
-    assert {res["models"][a]["metric_form"] for a in ("riemannian", "fiber_bundle")} == {form}
+    assert {res["models"][a]["attention"]["metric_form"] for a in ("riemannian", "fiber_bundle")} == {form}
 
 
 def test_compare_script_tuning_split_scores_tuning_seeds_on_the_tuning_topics(tmp_path, monkeypatch):
@@ -169,20 +164,20 @@ def test_nanogpt_example_keeps_the_package_default():
     assert _forms(example.GPT(factor)) == {"factor"}
 
 
-@pytest.mark.parametrize("form", ["factor", "gains"])
-def test_intrinsic_rank_recall_head(form):
-    """The script's RecallHead is rr.RecallHead (same modules, same draws) with the metric form given."""
+@pytest.mark.parametrize("flag, form", [([], "factor"), (["--metric-form", "gains"], "gains")])
+def test_intrinsic_rank_recall_heads_take_the_form(tmp_path, monkeypatch, flag, form):
+    """The script's heads are rr.RecallHead with the metric form given through attention= (no subclass)."""
     script = experiment_script("intrinsic_rank.py")
-    torch.manual_seed(0)
-    ours = script.RecallHead(8, 4, 16, 2, scores="metric", metric_rank=2, metric_form=form)
-    assert _forms(ours) == {form}
-    torch.manual_seed(0)
-    theirs = rr.RecallHead(8, 4, 16, 2, scores="metric", metric_rank=2)  # the package default: gains
-    if form == "gains":
-        sa, sb = ours.state_dict(), theirs.state_dict()
-        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-        idx = torch.tensor([[0, 6, 11, 3]])
-        assert torch.equal(ours(idx), theirs(idx))
+    seen = {}
+    monkeypatch.setattr(rr, "compare", lambda arms, data, config, **kw: seen.update(arms) or {})
+    monkeypatch.setattr("sys.argv", ["intrinsic_rank.py", "--part", "trainability", "--head-dims", "2",
+                                     "--metric-head-dims", "1", "--no-progress", "--out", str(tmp_path / "t.json"),
+                                     *flag])
+    script.main()
+    heads = {name: arm.model() for name, arm in seen.items()}
+    assert all(type(h) is rr.RecallHead for h in heads.values())
+    assert _forms(heads["distance-d2"]) == _forms(heads["metric-d1"]) == {form}
+    assert heads["metric-d1"].attn.config.rank == 2 and heads["distance-d2"].attn.config.rank == 0
 
 
 def test_geodesic_gap_case_takes_the_form():
@@ -223,10 +218,10 @@ def test_bench_model_configs_take_the_form(monkeypatch):
     import bench_model
 
     for form in ("factor", "gains"):
-        assert bench_model.config("riemannian", 32, form).metric_form == form
-        assert bench_model.target_config("fiber_bundle", 32, form).metric_form == form
-    assert bench_model.config("riemannian", 32).metric_form == "factor"
-    assert bench_model.target_config("riemannian", 32).metric_form == "factor"
+        assert bench_model.config("riemannian", 32, form).attention.metric_form == form
+        assert bench_model.target_config("fiber_bundle", 32, form).attention.metric_form == form
+    assert bench_model.config("riemannian", 32).attention.metric_form == "factor"
+    assert bench_model.target_config("riemannian", 32).attention.metric_form == "factor"
 
 
 @pytest.mark.parametrize("kinds, expected, reference", [

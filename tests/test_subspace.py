@@ -18,7 +18,7 @@ factors multiplied out, ``U_j = B C_j``. Checked:
   (the operator, SDPA with the key term as a float mask, SDPA on lifted
   inputs) equal the reference; bad input raises a ValueError naming it;
 - the module path: ``MetricNet(subspace=m)``, ``AttentionConfig.subspace``
-  and ``FiberBundleConfig.metric_subspace`` give the same outputs and
+  and ``FiberBundleConfig(attention=dict(subspace=m))`` give the same outputs and
   gradients as the same metric given as dense per-token factors to the
   blockwise operator.
 """
@@ -493,16 +493,16 @@ def test_attention_config_subspace_is_validated(kw, match):
 
 
 def test_fiber_bundle_config_metric_subspace():
-    cfg = rr.FiberBundleConfig.tiny(mode="riemannian", metric_subspace=3)
-    assert cfg.attention_config(0).subspace == 3
+    cfg = rr.FiberBundleConfig.tiny(mode="riemannian", attention=dict(subspace=3))
+    assert cfg.attention.subspace == 3
     model = rr.FiberBundleTransformer(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     out = model(idx)
     out.logits.square().mean().backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if ".attn.metric." in n)
-    for kw in (dict(mode="euclidean"), dict(mode="riemannian", shared_metric=True),
-               dict(mode="riemannian", position_metric=True), dict(mode="riemannian", metric_rank=0)):
-        with pytest.raises(ValueError, match="metric_subspace needs per-token metrics"):
-            rr.FiberBundleConfig.tiny(metric_subspace=3, **kw)
-    with pytest.raises(ValueError, match=r"metric_subspace must be an int in \[1, 16\]"):
-        rr.FiberBundleConfig.tiny(mode="riemannian", metric_subspace=17)
+    for mode, att in (("euclidean", {}), ("riemannian", dict(metric="shared")),
+                      ("riemannian", dict(metric="position")), ("riemannian", dict(rank=0))):
+        with pytest.raises(ValueError, match="attention: subspace needs per-token metrics"):
+            rr.FiberBundleConfig.tiny(mode=mode, attention=dict(att, subspace=3))
+    with pytest.raises(ValueError, match=r"attention: subspace must be an int in \[1, 16\]"):
+        rr.FiberBundleConfig.tiny(mode="riemannian", attention=dict(subspace=17))

@@ -144,8 +144,8 @@ def test_caller_built_optimizer_keeps_each_groups_peak_rate_under_the_schedule()
     """RiemannianAdam with the frames on Stiefel at their own rate: the schedule scales each group's own peak."""
     tr, va = _recall()
     torch.manual_seed(0)
-    model = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(mode="euclidean", qk_init="orthonormal",
-                                                                block_size=12))
+    model = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(mode="euclidean", block_size=12,
+                                                                attention=dict(qk_init="orthonormal")))
     frames = model.qk_frame_parameters()
     ids = {id(p) for p in frames}
     rest = [p for p in model.parameters() if id(p) not in ids]
@@ -291,4 +291,4 @@ def test_train_script_config_file_and_bad_keys(tmp_path):
     with pytest.raises(ValueError, match="learning_rate"):
         script.parse_args(["--config", str(bad)])
     with pytest.raises(ValueError, match="mode"):
-        script.build_model(script.ModelConfig(mode="hyperbolic"), 16, 12)
+        script.build_model(script.RunConfig().model.replace(mode="hyperbolic"), 16, 12)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import riemannian_ref as rr
+from _helpers import nested
 from riemannian_ref import data
 from riemannian_ref.analysis.collapse import attention_entropy
 from riemannian_ref.training import attention_diagnostics
@@ -18,11 +19,12 @@ from riemannian_ref.training import attention_diagnostics
 
 def _model(seed=0, **kw):
     torch.manual_seed(seed)
-    return rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(**{"mode": "riemannian", "block_size": 12, **kw}))
+    return rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(**nested(**{"mode": "riemannian", "block_size": 12,
+                                                                            **kw})))
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(mode="euclidean"), dict(metric_form="factor"), dict(shared_metric=True),
-                                dict(metric_subspace=4), dict(mode="fiber_bundle")],
+@pytest.mark.parametrize("kw", [dict(), dict(mode="euclidean"), dict(metric_form="factor"), dict(metric="shared"),
+                                dict(subspace=4), dict(mode="fiber_bundle")],
                          ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
 def test_diagnostics_match_the_weights_and_a_dense_eigen_decomposition(kw):
     model = _model(**kw).train()

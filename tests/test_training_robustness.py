@@ -20,6 +20,7 @@ from torch import nn
 
 import riemannian_ref as rr
 from riemannian_ref import _checkpoint, _io, data
+from riemannian_ref.models import transformer as tmod
 from riemannian_ref.training import _make_optimizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -532,3 +533,30 @@ def test_an_optimiser_that_cannot_be_copied_still_resumes_exactly(tmp_path):  # 
     m2 = _model(seed=3)
     res = rr.train(m2, tr, va, _cfg(path, resume=True), optimizer=LockedSGD(m2.parameters(), lr=0.1, momentum=0.9))
     assert res.history["val_loss"] == full.history["val_loss"] and _same(_state(m2), _state(m_full))
+
+
+def test_a_format_1_checkpoint_with_a_flat_model_config_resumes(tmp_path):
+    """Format 1 recorded a FiberBundleConfig with its attention options flat: read() nests them, so the run
+    resumes; a checkpoint of another model is still refused, naming the nested field."""
+    tr, va = _recall()
+    cfg = rr.FiberBundleConfig.tiny(mode="riemannian", block_size=12, n_layers=1,
+                                    attention=dict(rank=3, metric="shared"))
+    path = tmp_path / "ck.pt"
+
+    def model():
+        torch.manual_seed(0)
+        return rr.FiberBundleTransformer(cfg)
+
+    full = rr.train(model(), tr, va, _cfg())
+    rr.train(model(), tr, va, _cfg(path, stop_at_step=3))
+    blob = torch.load(path, weights_only=True)
+    assert blob["format"] == "riemannian_ref.train/2" and blob["model_config"]["attention"]["rank"] == 3
+    flat = tmod._flat(cfg)
+    torch.save({**blob, "format": "riemannian_ref.train/1", "model_config": flat}, path)
+    res = rr.train(model(), tr, va, _cfg(path, resume=True))
+    assert res.steps_done == 9 and res.history["val_loss"] == full.history["val_loss"]
+    rr.train(model(), tr, va, _cfg(path, stop_at_step=3))
+    blob = torch.load(path, weights_only=True)
+    torch.save({**blob, "format": "riemannian_ref.train/1", "model_config": dict(flat, metric_rank=2)}, path)
+    with pytest.raises(ValueError, match="another run.*model config attention.rank: checkpoint 2, now 3"):
+        rr.train(model(), tr, va, _cfg(path, resume=True))

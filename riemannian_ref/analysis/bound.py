@@ -38,7 +38,7 @@ def _attention_parts(attn):
     cfg = attn.config
     if cfg.cross_attention:
         raise ValueError("attn must be a self-attention module (cross_attention=False)")
-    if cfg.connection != "trivial":
+    if cfg.connection_resolved != "trivial":
         raise ValueError(f"the collapse bound covers connection='trivial' only (a transport does not vanish "
                          f"with the residual), got connection={cfg.connection!r}")
     h, dv = cfg.n_heads, cfg.v_dim

@@ -313,7 +313,7 @@ def relative_defect(defect: Tensor, hetero: Tensor) -> Tensor:
     Where the metrics are all equal (heterogeneity 0) a defect can come from
     the transport alone: the ratio is then 0 when the defect is 0 too (for
     instance :math:`G = \lambda I`, which every rotation preserves exactly:
-    ``metric_rank=0``, or factors at 0), and ``inf`` when it is not (one
+    metrics of rank 0, or factors at 0), and ``inf`` when it is not (one
     shared metric that the transport does not preserve). NaN only from NaN.
     """
     ok = hetero > 0

@@ -106,8 +106,9 @@ class AttentionConfig:
         Initial :math:`\lambda` and its floor.
     learn_temperature : bool, default False
         A learned per-head factor on :math:`1/\tau` (1 at init), folded into the metric.
-    connection : {"trivial", "flat", "content", "content_source", "cumulative"}, default "trivial"
-        Transport of keys and values (self-attention only): none, rotary
+    connection : {"trivial", "flat", "content", "content_source", "cumulative"} or None, default None
+        Transport of keys and values (self-attention only; None: ``"trivial"``,
+        or the mode's default in :class:`~riemannian_ref.FiberBundleConfig`): none, rotary
         (flat), rates read from the content of both endpoints of an edge
         (inverse-consistent, curved), or of its source only, or the rates
         integrated along the sequence into per-token phases (flat,
@@ -161,7 +162,7 @@ class AttentionConfig:
     lam_init: float = 1.0            # initial lambda
     lam_min: float = LAM_MIN         # floor of lambda
     learn_temperature: bool = False  # learned per-head factor on 1/tau
-    connection: str = "trivial"      # "trivial" | "flat" | "content" | "content_source" | "cumulative"
+    connection: str | None = None    # "trivial" | "flat" | "content" | "content_source" | "cumulative" (None: trivial)
     rotary_base: float = 10000.0     # rotary rates theta_m = base^(-2m/d)
     content_rate_std: float = 0.5    # init std of the content modulation of the rates (0: starts flat)
     transport_values: bool = True    # values transported along the connection too
@@ -188,7 +189,8 @@ class AttentionConfig:
         check_choice(self.metric_form, "metric_form", METRIC_FORMS)
         check_number(self.max_gain, "max_gain", low=0.0, low_open=True, high=F32_MAX)
         check_number(self.gain_bias, "gain_bias", low=-F32_MAX, high=F32_MAX)
-        check_choice(self.connection, "connection", CONNECTIONS)
+        if self.connection is not None:
+            check_choice(self.connection, "connection", CONNECTIONS)
         check_choice(self.qk_init, "qk_init", QK_INITS)
         check_int(self.rank, "rank", 0)
         check_int(self.max_positions, "max_positions")
@@ -213,7 +215,7 @@ class AttentionConfig:
         for name in ("init_std", "out_init_std"):
             if getattr(self, name) is not None:
                 check_number(getattr(self, name), name, low=0.0, low_open=True)
-        if self.connection != "trivial":
+        if self.connection_resolved != "trivial":
             if self.cross_attention:
                 raise ValueError(f"connection={self.connection!r} transports between positions of one "
                                  "sequence: it needs cross_attention=False")
@@ -232,6 +234,11 @@ class AttentionConfig:
     def qk_dim(self) -> int:
         """Query/key dimension :math:`d` per head."""
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def connection_resolved(self) -> str:
+        """The connection in use: ``connection``, or ``"trivial"`` for None."""
+        return self.connection if self.connection is not None else "trivial"
 
     @property
     def v_dim(self) -> int:
@@ -290,9 +297,9 @@ class RiemannianAttention(nn.Module):
                 self.metric_q = MetricNet(D, h, d, cfg.rank, **kw)
         self.log_temp = nn.Parameter(torch.zeros(h)) if cfg.learn_temperature else None
         self.rates = None
-        if cfg.connection in CONTENT_CONNECTIONS:
+        if cfg.connection_resolved in CONTENT_CONNECTIONS:
             self.rates = nn.Linear(D, h * (d // 2), bias=False)  # omega_j = 2 theta sigmoid(W x_j)
-        if cfg.connection != "trivial":
+        if cfg.connection_resolved != "trivial":
             self.register_buffer("theta", rotary_frequencies(d, cfg.rotary_base), persistent=False)
         else:
             self.theta = None
@@ -367,9 +374,9 @@ class RiemannianAttention(nn.Module):
         """
         cfg = self.config
         rates = None
-        if cfg.connection == "flat":
+        if cfg.connection_resolved == "flat":
             rates = self.theta.to(x.dtype)
-        elif cfg.connection in CONTENT_CONNECTIONS:
+        elif cfg.connection_resolved in CONTENT_CONNECTIONS:
             B, n, _ = x.shape
             s = self.rates(x).view(B, n, cfg.n_heads, cfg.qk_dim // 2).transpose(1, 2)  # (B, h, n, d/2)
             rates = self.theta.to(x.dtype) * 2.0 * torch.sigmoid(s)
@@ -466,7 +473,7 @@ class RiemannianAttention(nn.Module):
         lam, U_q, U_k, rates = self.geometry(x, context)
         p = cfg.dropout if self.training else 0.0
         if isinstance(U_k, SubspaceFactors) or isinstance(U_q, SubspaceFactors):
-            if cfg.connection == "trivial" and not return_weights:  # one dot product: SDPA (riemannian_attention)
+            if cfg.connection_resolved == "trivial" and not return_weights:  # one dot product: SDPA
                 o = riemannian_attention(q, k, v, mask, p, is_causal, U_q=U_q, U_k=U_k, lam=lam,
                                          metric_side=cfg.metric_side)
                 out = self.out_proj(o.transpose(1, 2).reshape(B, n_q, cfg.n_heads * cfg.v_dim))
@@ -475,7 +482,7 @@ class RiemannianAttention(nn.Module):
             U_q, U_k = (_dense_factor(U_q),) * 2 if U_q is U_k else (_dense_factor(U_q), _dense_factor(U_k))
         res = connection_attention(
             q, k, v, mask, p, is_causal, None, U_q=U_q, U_k=U_k, lam=lam if lam is not None else 1.0,
-            metric_side=cfg.metric_side, scores=cfg.scores, connection=cfg.connection, rates=rates,
+            metric_side=cfg.metric_side, scores=cfg.scores, connection=cfg.connection_resolved, rates=rates,
             positions=positions, transport_values=cfg.transport_values, return_weights=return_weights)
         o, A = res if return_weights else (res, None)
         out = self.out_proj(o.transpose(1, 2).reshape(B, n_q, cfg.n_heads * cfg.v_dim))  # (B, n_q, D)

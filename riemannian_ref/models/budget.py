@@ -206,11 +206,6 @@ def attention_flops(n: int, d: int, rank: int = 0, *, kernel: str = "blockwise",
                 elementwise_fwd=n2 * (3 + 2 * (rk + rq)), elementwise_bwd=n2 * (5 + 4 * (rk + rq)))
 
 
-def _attention(config: FiberBundleConfig):
-    """The blocks' attention settings: the one place the cost model reads them from the config."""
-    return config.attention_config(0)
-
-
 @functools.lru_cache(maxsize=256)
 def _parameter_total(config: FiberBundleConfig) -> int:
     """Parameters of a config, from one- and two-layer copies (blocks are identical): fast at any depth."""
@@ -236,7 +231,7 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
     execute them, the pairwise ones by
     :func:`~riemannian_ref.models.budget.attention_flops`: SDPA (FlashAttention-2)
     for dot products, for one metric per head at head size :math:`d + 1` and
-    for ``metric_subspace = m`` at :math:`d + m(m+1)/2 + 1` (``"mean"``:
+    for ``attention.subspace = m`` at :math:`d + m(m+1)/2 + 1` (``"mean"``:
     :math:`d + m + m(m+1) + 1`, with the lift's per-token products); the
     blockwise operator for per-token factors; the content connection's fused
     CPU kernel (elementwise but for the :math:`O(n d r)` products around it)
@@ -296,7 +291,7 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
     V = cfg.out_dim or 0
     hd = h * d
     n2 = float(n) * n * (0.5 if causal_skip else 1.0)  # pairs per head
-    att = _attention(cfg)
+    att = cfg.attention  # every block's attention, its connection resolved
     conn, side = att.connection, att.metric_side
     metric_scores = att.scores == "metric"
     r = att.rank if metric_scores else 0

@@ -1,24 +1,26 @@
 r"""The configuration of the Fiber Bundle Transformer, with a preset for every model the book trains.
 
 :class:`FiberBundleConfig` is a frozen, validated dataclass: a bad value raises
-``ValueError`` naming the field, the expected range and the value given.
-``mode`` chooses the attention scores and the defaults of the fibre-bundle
-components (connection, preconditioned FFN, learned positions), each of which
-is also a field of its own; ``skip``, ``mlp`` and ``layer_norm`` give the
-block variants of Dong, Cordonnier and Loukas (2021). The model itself is
+``ValueError`` naming the field, the expected range and the value given. It
+holds the model's own fields and one
+:class:`~riemannian_ref.attention.layer.AttentionConfig`, ``attention``, with
+every option of the attention. ``mode`` chooses the attention scores and the
+defaults of the fibre-bundle components (connection, preconditioned FFN,
+learned positions), each of which is also a field of its own; ``skip``,
+``mlp`` and ``layer_norm`` give the block variants of Dong, Cordonnier and
+Loukas (2021). The model itself is
 :class:`~riemannian_ref.models.transformer.FiberBundleTransformer`.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from ..geometry.transport import CONNECTIONS
 from .._checks import check_bool, check_choice as _choice, check_int as _pos_int, check_number as _number
 from ..attention.layer import AttentionConfig
-from ..geometry.metric import _F32_MAX, METRIC_FORMS, raw_from_lam
-from ..geometry.scores import METRIC_SIDES
+from ..geometry.metric import _F32_MAX
 
 __all__ = ["MODES", "FiberBundleConfig"]
 
@@ -28,7 +30,97 @@ INITS = ("gpt2", "unit")
 ACTIVATIONS = ("gelu", "relu")
 _MAX_ELEMENTS = 2**63 - 1  # int64: the largest element count torch can describe
 _SIZE_FIELDS = ("vocab_size", "n_classes", "block_size", "d_model", "n_heads", "head_dim", "n_layers",
-                "mlp_ratio", "metric_rank", "ffn_metric_rank")
+                "mlp_ratio", "ffn_metric_rank")
+#: The AttentionConfig fields the model sets from its own, with where to set them instead.
+_MODEL_OWNED = {
+    "d_model": "the model's width: set FiberBundleConfig.d_model",
+    "n_heads": "the model's number of heads: set FiberBundleConfig.n_heads",
+    "head_dim": "the model's head dimension: set FiberBundleConfig.head_dim",
+    "max_positions": "the model's context: set FiberBundleConfig.block_size",
+    "scores": "set by the mode: set FiberBundleConfig.mode",
+    "causal": "the model's: set FiberBundleConfig.causal",
+    "bias": "the model's: set FiberBundleConfig.bias",
+    "dropout": "the model's: set FiberBundleConfig.dropout",
+    "init_std": "set by the init scheme: set FiberBundleConfig.init",
+    "out_init_std": "set by the init scheme: set FiberBundleConfig.init and scale_residual",
+    "v_head_dim": "not an option of the model (its values have head_dim)",
+    "kv_dim": "not an option of the model (self-attention over its own states)",
+    "cross_attention": "not an option of the model (self-attention)",
+}
+_ATTENTION_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AttentionConfig)}
+#: The attention options: the AttentionConfig fields a FiberBundleConfig takes in ``attention``.
+ATTENTION_OPTIONS = tuple(k for k in _ATTENTION_DEFAULTS if k not in _MODEL_OWNED)
+#: The flat fields of FiberBundleConfig up to model-file format 3 that moved into ``attention``, with their
+#: names there (``shared_metric=True`` and ``position_metric=True`` became ``metric="shared"``/``"position"``).
+MOVED_FIELDS = {
+    "metric_rank": "rank", "metric_strength": "strength", "metric_subspace": "subspace",
+    "shared_metric": "metric", "position_metric": "metric",
+    **{k: k for k in ("metric_side", "metric_bias", "metric_form", "max_gain", "gain_bias", "lam_init",
+                      "learn_temperature", "connection", "transport_values", "rotary_base", "content_rate_std",
+                      "qk_init", "qk_gain")},
+}
+
+
+def _moved_options(flat: Mapping) -> dict:
+    """The attention options that old flat fields (keys of :data:`MOVED_FIELDS`) give, under their new names."""
+    out = {}
+    for old, v in flat.items():
+        new = MOVED_FIELDS[old]
+        if new != "metric":
+            out[new] = v
+        elif v is True:  # shared_metric / position_metric
+            if "metric" in out:
+                raise ValueError("shared_metric and position_metric are exclusive: one metric per head, or one "
+                                 "per position")
+            out["metric"] = old.split("_")[0]
+        elif v is not False:
+            raise ValueError(f"{old} must be a bool, got {v!r}")
+    return out
+
+
+def attention_fields(att, owned: Mapping, where: Mapping[str, str]) -> dict:
+    """The fields an ``attention`` argument gives (an AttentionConfig or a mapping of its fields), checked.
+
+    ``owned``: the fields its owner sets; one given with a value other than
+    its default and the owner's raises ``ValueError`` saying ``where[field]``.
+    """
+    if isinstance(att, AttentionConfig):
+        given = {k: getattr(att, k) for k in _ATTENTION_DEFAULTS}
+    elif isinstance(att, Mapping):
+        given = dict(att)
+        unknown = sorted(set(given) - set(_ATTENTION_DEFAULTS), key=str)
+        if unknown:
+            moved = "".join(f"; {k} is now {MOVED_FIELDS[k]}" for k in unknown if k in MOVED_FIELDS)
+            raise ValueError(f"attention has unknown fields {unknown} (fields of AttentionConfig expected{moved})")
+    else:
+        raise ValueError(f"attention must be an AttentionConfig or a mapping of its fields, got {type(att).__name__}")
+    for k, v in owned.items():
+        if k in given and given[k] != _ATTENTION_DEFAULTS[k] and given[k] != v:
+            raise ValueError(f"attention.{k} is {where[k]} (got {given[k]!r})")
+    return given
+
+
+def owned_attention(given: Mapping, owned: Mapping) -> AttentionConfig:
+    """The AttentionConfig of the ``given`` options and the ``owned`` fields (errors prefixed ``attention:``)."""
+    try:
+        return AttentionConfig(**{**given, **owned})
+    except ValueError as exc:
+        raise ValueError(f"attention: {exc}") from None
+
+
+def nest_flat(flat: Mapping) -> dict:
+    """The fields of a flat config (model files of format <= 3) nested: the moved ones as ``attention``."""
+    own = {k: v for k, v in flat.items() if k not in MOVED_FIELDS}
+    return {**own, "attention": _moved_options({k: v for k, v in flat.items() if k in MOVED_FIELDS})}
+
+
+def _refuse_moved(changes: Mapping) -> None:
+    """Old flat names in a preset's or replace's arguments: say where they moved."""
+    for old in changes:
+        if old in MOVED_FIELDS:
+            new = _moved_options({old: changes[old]}) or {"metric": "token"}
+            use = ", ".join(f"{k}={v!r}" for k, v in new.items())
+            raise ValueError(f"{old} moved to attention: use attention=dict({use})")
 
 
 @dataclass(frozen=True)
@@ -38,7 +130,7 @@ class FiberBundleConfig:
     A bad value raises ``ValueError`` naming the field, the expected range and
     the value given. Sizes are bounded so that every weight's element count
     fits torch's 64-bit sizes: ``max(vocab_size, n_classes, block_size, W) * W
-    * max(1, metric_rank, ffn_metric_rank) * (n_layers + 1) < 2**63`` with
+    * max(1, rank, ffn_metric_rank) * (n_layers + 1) < 2**63`` with
     ``W = max(d_model * mlp_ratio, n_heads * head_dim)`` (a vocabulary of 256k,
     a width of 16k and a million positions are far below it). Presets:
     :meth:`tiny`, :meth:`small`, :meth:`attention_stack`, :meth:`grokking`.
@@ -60,53 +152,21 @@ class FiberBundleConfig:
     n_layers : int, default 2
         Number of blocks :math:`L`.
     mode : {"euclidean", "riemannian", "fiber_bundle"}, default "fiber_bundle"
-        Dot-product or metric scores, and the defaults of ``connection``,
+        Dot-product or metric scores, and the defaults of the connection,
         ``precondition_ffn`` and ``learned_positions`` (module docstring).
-    metric_side : {"key", "query", "mean"}, default "key"
-        Whose metric measures a query-key pair (metric modes).
-    metric_rank : int, default 2
-        Rank :math:`r \ge 0` of every attention metric; 0 gives :math:`G = \lambda I`.
-    metric_strength : float, default 1.0
-        Heterogeneity of the metrics at init (0: :math:`U = 0` at init).
-    shared_metric : bool, default False
-        One learned metric per head and layer instead of per-token metrics.
-    position_metric : bool, default False
-        A metric field over positions: one learned metric per position, head
-        and layer (``block_size`` positions), whatever the token there, instead
-        of metrics computed from the states.
-    metric_bias : bool, default False
-        Per-token metrics from an affine network :math:`U_i = W x_i + b`
-        (a bias drawn at init with the variance of a shared factor).
-    metric_form : {"gains", "factor"}, default "gains"
-        The metric parameterisation (:class:`~riemannian_ref.geometry.metric.MetricNet`
-        ``form``): bounded directions and gains, or the unbounded factor of
-        package versions up to 0.3.
-    max_gain, gain_bias : float, default 4.0 and -2.0
-        ``metric_form="gains"``: the largest gain and the gain logits' initial bias.
-    metric_subspace : int or None, default None
-        Per-token metrics whose factors share one learned subspace of
-        dimension :math:`m` per head and layer, :math:`U_i = B\,C_i`
-        (:class:`~riemannian_ref.geometry.metric.SubspaceFactors`): with the
-        trivial connection attention is then one dot product of width
-        :math:`d + m(m+1)/2 + 1` and runs on SDPA. :math:`1 \le m \le d`;
-        needs a metric mode with per-token metrics (not ``shared_metric`` or
-        ``position_metric``) and ``metric_rank >= 1``.
-    lam_init : float, default 1.0
-        Initial :math:`\lambda` of every metric, above the floor
-        :data:`~riemannian_ref.geometry.metric.LAM_MIN`.
-    learn_temperature : bool, default False
-        A learned per-head factor on :math:`1/\tau`.
-    connection : {"trivial", "flat", "content", "content_source", "cumulative"} or None, default None
-        Transport of keys and values (:mod:`~riemannian_ref.geometry.transport`;
-        ``"cumulative"`` is the flat content-dependent connection, :math:`O(n d)` extra);
-        None: ``"content"`` (inverse-consistent) in ``"fiber_bundle"``
-        mode, ``"trivial"`` otherwise.
-    transport_values : bool, default True
-        Transport the values along the connection too.
-    rotary_base : float, default 10000.0
-        Base of the rotary rates of the flat, content and cumulative connections.
-    content_rate_std : float, default 0.5
-        Init std of the content modulation of the rates (0: starts flat).
+    attention : AttentionConfig or mapping, default {}
+        Every option of the attention of every block: the fields of
+        :class:`~riemannian_ref.AttentionConfig` (``rank``,
+        ``metric``, ``metric_side``, ``connection``, ...); a mapping gives
+        some and leaves the others at their defaults. Stored as the
+        AttentionConfig every block gets: the fields the model owns
+        (``d_model``, ``n_heads``, ``head_dim``, ``max_positions`` =
+        ``block_size``, ``causal``, ``bias``, ``dropout``, ``scores`` from the
+        mode, ``init_std`` and ``out_init_std`` from ``init``) come from the
+        model (given with another value: ``ValueError``), and ``connection``
+        None becomes ``"content"`` in ``"fiber_bundle"`` mode, ``"trivial"``
+        otherwise. ``lam_init`` and ``strength`` also initialise the
+        preconditioned FFN's metric.
     precondition_ffn : bool or None, default None
         :math:`x + \eta G_x^{-1}\mathrm{FFN}(\mathrm{LN}(x))`; None: True in
         ``"fiber_bundle"`` mode, False otherwise.
@@ -149,11 +209,6 @@ class FiberBundleConfig:
         False keeps every branch variance-preserving, as in the stacks of
         Dong et al. (:meth:`attention_stack`), where it decides how fast
         skip connections let the residual decay.
-    qk_init : {"normal", "orthonormal"}, default "normal"
-        Per-head query/key frames ``[h, D, d]`` Gaussian, or with orthonormal
-        columns (for :class:`~riemannian_ref.optim.adam.StiefelAdam`).
-    qk_gain : float, default 1.0
-        Multiplies the query/key frames at init.
     """
 
     vocab_size: int | None = 64          # token ids (None: embeddings in, hidden states out)
@@ -163,22 +218,7 @@ class FiberBundleConfig:
     head_dim: int | None = None          # d (None: D / h)
     n_layers: int = 2                    # blocks L
     mode: str = "fiber_bundle"           # "euclidean" | "riemannian" | "fiber_bundle"
-    metric_side: str = "key"             # whose metric measures a pair: "key" | "query" | "mean"
-    metric_rank: int = 2                 # r of each head metric G = lam I + U U^T (0: G = lam I)
-    metric_strength: float = 1.0         # heterogeneity of the metrics at init
-    shared_metric: bool = False          # one learned metric per head instead of per-token metrics
-    position_metric: bool = False        # one learned metric per position instead of per-token metrics
-    metric_bias: bool = False            # per-token metrics from an affine network U_i = W x_i + b
-    metric_subspace: int | None = None   # per-token factors U_i = B C_i in one learned m-dim subspace per head
-    metric_form: str = "gains"           # "gains" (bounded directions and gains) or "factor" (lam I + U U^T)
-    max_gain: float = 4.0                # metric_form="gains": eigenvalues of G in [lam, lam (1 + max_gain)]
-    gain_bias: float = -2.0              # metric_form="gains": initial bias of the gain logits
-    lam_init: float = 1.0                # initial isotropic part lam of every metric
-    learn_temperature: bool = False      # learned per-head factor on 1/tau
-    connection: str | None = None        # None: "content" in fiber_bundle mode, else "trivial"
-    transport_values: bool = True        # values transported along the connection too
-    rotary_base: float = 10000.0         # rates theta_m = base^(-2m/d) of the flat and content connections
-    content_rate_std: float = 0.5        # init std of the content modulation (0: starts flat)
+    attention: AttentionConfig | Mapping = field(default_factory=dict)  # every attention option
     precondition_ffn: bool | None = None  # None: True in fiber_bundle mode
     ffn_metric_rank: int = 2             # rank of the model-space metric G_x of the preconditioned FFN
     eta_init: float = 1.0                # initial step size eta of the preconditioned FFN
@@ -195,64 +235,54 @@ class FiberBundleConfig:
     n_classes: int | None = None         # outputs per position (None: vocab_size)
     init: str = "gpt2"                   # "gpt2" | "unit"
     scale_residual: bool = True          # residual branches' output projections / sqrt(2L) at init
-    qk_init: str = "normal"              # "normal" | "orthonormal" per-head frames
-    qk_gain: float = 1.0                 # multiplies the query/key frames at init
 
     def __post_init__(self):
         if self.vocab_size is not None:
             _pos_int(self.vocab_size, "vocab_size")
         for name in ("block_size", "d_model", "n_heads", "n_layers", "mlp_ratio"):
             _pos_int(getattr(self, name), name)
-        for name in ("metric_rank", "ffn_metric_rank"):
-            _pos_int(getattr(self, name), name, 0)
+        _pos_int(self.ffn_metric_rank, "ffn_metric_rank", 0)
         if self.head_dim is not None:
             _pos_int(self.head_dim, "head_dim")
         elif self.d_model % self.n_heads:
             raise ValueError(f"d_model must be divisible by n_heads (or give head_dim), got "
                              f"d_model={self.d_model}, n_heads={self.n_heads}")
         _choice(self.mode, "mode", MODES)
-        _choice(self.metric_side, "metric_side", METRIC_SIDES)
-        _choice(self.metric_form, "metric_form", METRIC_FORMS)
-        _number(self.max_gain, "max_gain", low=0.0, low_open=True, high=_F32_MAX)
-        _number(self.gain_bias, "gain_bias", low=-_F32_MAX, high=_F32_MAX)
-        if self.connection is not None:
-            _choice(self.connection, "connection", CONNECTIONS)
         _choice(self.init, "init", INITS)
         _choice(self.activation, "activation", ACTIVATIONS)
-        for name in ("shared_metric", "position_metric", "metric_bias", "learn_temperature", "transport_values",
-                     "skip", "mlp", "layer_norm", "causal", "bias", "tie_weights", "scale_residual"):
+        for name in ("skip", "mlp", "layer_norm", "causal", "bias", "tie_weights", "scale_residual"):
             check_bool(getattr(self, name), name)
         for name in ("precondition_ffn", "learned_positions"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
-        raw_from_lam(self.lam_init)
-        if self.shared_metric and self.position_metric:
-            raise ValueError("shared_metric and position_metric are exclusive: one metric per head, or one "
-                             "per position")
-        if self.metric_subspace is not None:
-            _pos_int(self.metric_subspace, "metric_subspace", 1, self.qk_dim)
-            if self.mode == "euclidean" or self.shared_metric or self.position_metric or self.metric_rank == 0:
-                raise ValueError(f"metric_subspace needs per-token metrics of rank >= 1 (a metric mode, "
-                                 f"shared_metric=False, position_metric=False, metric_rank >= 1), got "
-                                 f"mode={self.mode!r}, shared_metric={self.shared_metric}, "
-                                 f"position_metric={self.position_metric}, metric_rank={self.metric_rank}")
         _number(self.eta_init, "eta_init", low=-_F32_MAX, high=_F32_MAX)  # a float32 parameter
-        # the fields handed to AttentionConfig under other names are checked here, under their own
-        _number(self.metric_strength, "metric_strength", low=0.0)
-        _number(self.rotary_base, "rotary_base", low=1.0, low_open=True)
-        _number(self.content_rate_std, "content_rate_std", low=0.0)
         _number(self.dropout, "dropout", low=0.0, high=1.0, high_open=True)
-        _number(self.qk_gain, "qk_gain", low=0.0, low_open=True)
         if self.n_classes is not None:
             _pos_int(self.n_classes, "n_classes")
             if self.tie_weights:
                 raise ValueError("n_classes needs tie_weights=False (the head is not the embedding)")
         if self.vocab_size is None and self.n_classes is not None:
             raise ValueError("n_classes needs a vocab_size (the model reads token ids)")
+        object.__setattr__(self, "attention", self._attention_config())
         self._check_sizes()
         if self.precondition_ffn_resolved and not self.mlp:
             raise ValueError("precondition_ffn needs mlp=True (it preconditions the FFN update)")
-        self.attention_config(0)  # validates the attention fields (raises naming the field)
+
+    def _attention_config(self) -> AttentionConfig:
+        """``attention`` as the AttentionConfig of every block (model-owned fields filled and checked)."""
+        gpt2 = self.init == "gpt2"
+        residual = 1.0 / math.sqrt(2 * self.n_layers) if self.scales_residual else 1.0
+        owned = dict(d_model=self.d_model, n_heads=self.n_heads, head_dim=self.head_dim, v_head_dim=None,
+                     kv_dim=None, cross_attention=False, max_positions=self.block_size,
+                     scores="dot" if self.mode == "euclidean" else "metric", causal=self.causal, bias=self.bias,
+                     dropout=self.dropout, init_std=0.02 if gpt2 else None,
+                     out_init_std=(0.02 if gpt2 else (self.n_heads * self.qk_dim) ** -0.5) * residual)
+        given = attention_fields(self.attention, owned, _MODEL_OWNED)
+        # a connection left to the mode stays so through replace(mode=...): remembered, not a field
+        object.__setattr__(self, "_mode_connection", given.get("connection") is None)
+        if given.get("connection") is None:
+            given["connection"] = "content" if self.mode == "fiber_bundle" else "trivial"
+        return owned_attention(given, owned)
 
     def _check_sizes(self) -> None:
         # A conservative bound on every weight's element count (rows x width x rank), times the layers:
@@ -261,16 +291,26 @@ class FiberBundleConfig:
         # 1M positions, 1000 layers: about 2**57).
         width = max(self.d_model * self.mlp_ratio, self.n_heads * self.qk_dim)
         rows = max(self.vocab_size or 0, self.n_classes or 0, self.block_size, width)
-        rank = max(1, self.metric_rank, self.ffn_metric_rank)
+        rank = max(1, self.attention.rank, self.ffn_metric_rank)
         if rows * width * rank * (self.n_layers + 1) > _MAX_ELEMENTS:
             sizes = {k: getattr(self, k) for k in _SIZE_FIELDS if getattr(self, k) is not None}
+            sizes["attention.rank"] = self.attention.rank
             worst = max(sizes, key=sizes.get)
             raise ValueError(f"{worst} = {sizes[worst]} is too large: this config's weights would exceed "
                              f"2**63 - 1 elements, the most torch can address (bound: max(vocab_size, n_classes, "
-                             f"block_size, width) * width * max(1, metric_rank, ffn_metric_rank) * (n_layers + 1), "
-                             f"width = max(d_model * mlp_ratio, n_heads * head_dim))")
+                             f"block_size, width) * width * max(1, attention.rank, ffn_metric_rank) * "
+                             f"(n_layers + 1), width = max(d_model * mlp_ratio, n_heads * head_dim))")
 
     # ------------------------------------------------------------ presets
+    @classmethod
+    def _merged(cls, base: dict, changes: dict) -> "FiberBundleConfig":
+        """``cls(**base)`` with ``changes`` applied, an ``attention`` mapping merged into the base's."""
+        _refuse_moved(changes)
+        att = changes.get("attention")
+        if isinstance(att, Mapping):
+            changes = {**changes, "attention": {**base.get("attention", {}), **att}}
+        return cls(**{**base, **changes})
+
     @classmethod
     def tiny(cls, **overrides) -> "FiberBundleConfig":
         """Two layers, width 32, two heads, metrics of rank 2: tests and live cells of the book.
@@ -278,9 +318,9 @@ class FiberBundleConfig:
         Parameters
         ----------
         **overrides
-            Fields to change, e.g. ``mode="euclidean"``.
+            Fields to change, e.g. ``mode="euclidean"``; ``attention=dict(...)`` is merged into the preset's.
         """
-        return cls(**{**dict(vocab_size=16, block_size=32, d_model=32, n_heads=2, n_layers=2), **overrides})
+        return cls._merged(dict(vocab_size=16, block_size=32, d_model=32, n_heads=2, n_layers=2), overrides)
 
     @classmethod
     def small(cls, **overrides) -> "FiberBundleConfig":
@@ -289,11 +329,11 @@ class FiberBundleConfig:
         Parameters
         ----------
         **overrides
-            Any field of the config.
+            Fields to change; ``attention=dict(...)`` is merged into the preset's (rank 4).
         """
-        base = dict(vocab_size=64, block_size=128, d_model=64, n_heads=4, n_layers=4, metric_rank=4,
+        base = dict(vocab_size=64, block_size=128, d_model=64, n_heads=4, n_layers=4, attention=dict(rank=4),
                     ffn_metric_rank=4)
-        return cls(**{**base, **overrides})
+        return cls._merged(base, overrides)
 
     @classmethod
     def attention_stack(cls, **overrides) -> "FiberBundleConfig":
@@ -301,20 +341,21 @@ class FiberBundleConfig:
 
         Bidirectional, no positions, no token embedding (``vocab_size=None``:
         feed it embeddings), variance-preserving init, ReLU FFNs with biases
-        where ``mlp=True`` is switched back on. ``skip``, ``mlp`` and
-        ``layer_norm`` give Dong et al.'s variants.
+        where ``mlp=True`` is switched back on, metrics of rank 4. ``skip``,
+        ``mlp`` and ``layer_norm`` give Dong et al.'s variants.
 
         Parameters
         ----------
         **overrides
-            Fields to change (e.g. ``n_layers=24``, ``mode="riemannian"``).
+            Fields to change (e.g. ``n_layers=24``, ``mode="riemannian"``);
+            ``attention=dict(...)`` is merged into the preset's.
         """
         base = dict(vocab_size=None, block_size=1024, d_model=64, n_heads=2, n_layers=24, mode="euclidean",
-                    metric_rank=4, skip=False, mlp=False, layer_norm=False, causal=False,
+                    attention=dict(rank=4), skip=False, mlp=False, layer_norm=False, causal=False,
                     learned_positions=False, activation="relu", bias=True, tie_weights=False, init="unit",
                     scale_residual=False,
                     precondition_ffn=False)
-        return cls(**{**base, **overrides})
+        return cls._merged(base, overrides)
 
     @classmethod
     def grokking(cls, vocab_size: int, **overrides) -> "FiberBundleConfig":
@@ -329,11 +370,11 @@ class FiberBundleConfig:
         vocab_size : int
             Number of token ids.
         **overrides
-            Fields to change.
+            Fields to change; ``attention=dict(...)`` is merged into the preset's.
         """
         base = dict(vocab_size=vocab_size, block_size=3, d_model=32, n_heads=4, n_layers=1, mode="euclidean",
-                    bias=True, tie_weights=False, init="unit", qk_init="orthonormal")
-        return cls(**{**base, **overrides})
+                    bias=True, tie_weights=False, init="unit", attention=dict(qk_init="orthonormal"))
+        return cls._merged(base, overrides)
 
     def replace(self, **changes) -> "FiberBundleConfig":
         """A copy with some fields changed (validated again).
@@ -341,9 +382,24 @@ class FiberBundleConfig:
         Parameters
         ----------
         **changes
-            Fields to change.
+            Fields to change; ``attention=dict(...)`` is merged into the
+            current attention options, whose model-owned fields follow the
+            new model.
         """
-        return dataclasses.replace(self, **changes)
+        return self._merged(self.to_dict(), changes)
+
+    def to_dict(self) -> dict:
+        """The config as plain values: every field, ``attention`` as a dict of its options.
+
+        The model-owned fields of the attention are left out, and a connection
+        left to the mode is None, so ``FiberBundleConfig(**cfg.to_dict()) == cfg``
+        holds and keeps following the mode.
+        """
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        att = {k: getattr(self.attention, k) for k in ATTENTION_OPTIONS}
+        if self._mode_connection:
+            att["connection"] = None
+        return {**out, "attention": att}
 
     # ------------------------------------------------------------ derived
     @property
@@ -353,10 +409,8 @@ class FiberBundleConfig:
 
     @property
     def connection_resolved(self) -> str:
-        """The connection in use (``connection`` or the mode's default)."""
-        if self.connection is not None:
-            return self.connection
-        return "content" if self.mode == "fiber_bundle" else "trivial"
+        """The connection in use (``attention.connection``, or the mode's default where it was None)."""
+        return self.attention.connection
 
     @property
     def precondition_ffn_resolved(self) -> bool:
@@ -381,32 +435,3 @@ class FiberBundleConfig:
     def out_dim(self) -> int | None:
         """Outputs per position of the head (None: no head)."""
         return self.n_classes if self.n_classes is not None else self.vocab_size
-
-    def attention_config(self, layer: int) -> AttentionConfig:
-        """The :class:`~riemannian_ref.attention.layer.AttentionConfig` of every block's attention.
-
-        Parameters
-        ----------
-        layer : int
-            Block index (all blocks share one configuration today).
-
-        Returns
-        -------
-        AttentionConfig
-        """
-        gpt2 = self.init == "gpt2"
-        residual = 1.0 / math.sqrt(2 * self.n_layers) if self.scales_residual else 1.0
-        return AttentionConfig(
-            d_model=self.d_model, n_heads=self.n_heads, head_dim=self.head_dim,
-            scores="dot" if self.mode == "euclidean" else "metric",
-            metric="shared" if self.shared_metric else "position" if self.position_metric else "token",
-            metric_side=self.metric_side, metric_bias=self.metric_bias, max_positions=self.block_size,
-            subspace=self.metric_subspace, metric_form=self.metric_form, max_gain=self.max_gain,
-            gain_bias=self.gain_bias,
-            rank=self.metric_rank, strength=self.metric_strength, lam_init=self.lam_init,
-            learn_temperature=self.learn_temperature, connection=self.connection_resolved,
-            rotary_base=self.rotary_base, content_rate_std=self.content_rate_std,
-            transport_values=self.transport_values, causal=self.causal, bias=self.bias, dropout=self.dropout,
-            init_std=0.02 if gpt2 else None,
-            out_init_std=(0.02 if gpt2 else (self.n_heads * self.qk_dim) ** -0.5) * residual,
-            qk_init=self.qk_init, qk_gain=self.qk_gain)

@@ -8,10 +8,18 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from collections.abc import Mapping
+
 from .._checks import check_choice as _choice, check_int as _pos_int, check_tensor, shape_str
 from ..attention.layer import AttentionConfig, RiemannianAttention
+from .config import attention_fields, owned_attention
 
 __all__ = ["RecallHead"]
+
+_HEAD_OWNED = {"d_model": "the head's width: set RecallHead's d_model", "n_heads": "1 in a RecallHead",
+               "head_dim": "the head's query-key dimension: set RecallHead's head_dim",
+               "v_head_dim": "d_model in a RecallHead", "cross_attention": "True in a RecallHead (the query "
+               "reads the pairs)", "scores": "set by RecallHead's scores"}
 
 
 class RecallHead(nn.Module):
@@ -22,7 +30,7 @@ class RecallHead(nn.Module):
     query attends to the pair tokens through one head whose query-key
     dimension is ``head_dim`` (the rank of :math:`W_Q W_K^\top`), with a dot
     product (``scores="dot"``) or a Riemannian distance with per-key metrics
-    of rank ``metric_rank`` (``scores="metric"``; ``metric_rank=0`` is the
+    of rank ``attention["rank"]`` (``scores="metric"``; rank 0 is the
     plain distance head with :math:`G = \lambda I`, the control that separates
     the distance form from per-token metrics); the attended value (width
     ``d_model``) is decoded to logits over the value symbols.
@@ -37,24 +45,25 @@ class RecallHead(nn.Module):
         Query-key dimension :math:`d`.
     scores : {"dot", "metric"}
         Dot-product or Riemannian scores.
-    metric_rank : int
-        Rank of the per-key metrics (``scores="metric"``).
+    attention : AttentionConfig or mapping, optional
+        The attention's options (e.g. ``dict(rank=0, metric_form="factor")``);
+        the head sets its sizes, ``scores`` and ``cross_attention=True``.
     """
 
     def __init__(self, n_keys: int, n_values: int, d_model: int, head_dim: int, *, scores: str = "dot",
-                 metric_rank: int = 2):
+                 attention: AttentionConfig | Mapping | None = None):
         super().__init__()
         for name, val in (("n_keys", n_keys), ("n_values", n_values), ("d_model", d_model),
                           ("head_dim", head_dim)):
             _pos_int(val, name)
-        _pos_int(metric_rank, "metric_rank", 0)
         _choice(scores, "scores", ("dot", "metric"))
+        owned = dict(d_model=d_model, n_heads=1, head_dim=head_dim, v_head_dim=d_model, cross_attention=True,
+                     scores=scores)
+        given = attention_fields({} if attention is None else attention, owned, _HEAD_OWNED)
         self.n_keys, self.n_values = n_keys, n_values
         self.E_k = nn.Embedding(n_keys, d_model)
         self.E_v = nn.Embedding(n_values + 1, d_model, padding_idx=n_values)  # the last row: "no value"
-        self.attn = RiemannianAttention(AttentionConfig(
-            d_model=d_model, n_heads=1, head_dim=head_dim, v_head_dim=d_model, cross_attention=True,
-            scores=scores, rank=metric_rank))
+        self.attn = RiemannianAttention(owned_attention(given, owned))
         self.out = nn.Linear(d_model, n_values)
 
     def forward(self, idx: Tensor) -> Tensor:

@@ -23,8 +23,8 @@ which is also a field of its own:
 
 Switching ``mode`` from ``"riemannian"`` to ``"fiber_bundle"`` changes three
 things at once (the connection, the positions and the feed-forward step).
-``connection``, ``precondition_ffn`` and ``learned_positions`` are fields of
-their own that override each default, so each component can be switched
+``attention.connection``, ``precondition_ffn`` and ``learned_positions`` are
+options of their own that override each default, so each component can be switched
 alone, and an effect of the mode is only attributed by that ablation.
 
 The block is pre-norm and residual by default; ``skip``, ``mlp`` and
@@ -52,7 +52,7 @@ from .._io import atomic_write
 from ..attention._validate import autocast_dtype
 from ..attention.layer import RiemannianAttention
 from ..geometry.metric import LowRankMetric, MetricNet, SubspaceFactors
-from .config import FiberBundleConfig
+from .config import ATTENTION_OPTIONS, MOVED_FIELDS, FiberBundleConfig, nest_flat
 
 __all__ = ["FiberBundleTransformer"]
 
@@ -129,7 +129,7 @@ class Block(nn.Module):
         self.config = config
         D = config.d_model
         self.ln1 = nn.LayerNorm(D, bias=config.bias) if config.layer_norm else nn.Identity()
-        self.attn = RiemannianAttention(config.attention_config(layer))
+        self.attn = RiemannianAttention(config.attention)
         self.drop = nn.Dropout(config.dropout)
         self.ln2 = self.mlp = self.ffn_metric = self.eta = None
         if config.mlp:
@@ -138,8 +138,8 @@ class Block(nn.Module):
         if config.precondition_ffn_resolved:
             # G_x = lam I_D + U_x U_x^T on the model space: a one-"head" metric net of dimension D
             # the preconditioner keeps the unbounded factor form (metric_form is about attention's metrics)
-            self.ffn_metric = MetricNet(D, 1, D, config.ffn_metric_rank, lam_init=config.lam_init,
-                                        strength=config.metric_strength, form="factor")
+            self.ffn_metric = MetricNet(D, 1, D, config.ffn_metric_rank, lam_init=config.attention.lam_init,
+                                        strength=config.attention.strength, form="factor")
             self.eta = nn.Parameter(torch.tensor([float(config.eta_init)]))  # (1,): FSDP2 shards no 0-d parameter
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -260,7 +260,7 @@ class FiberBundleTransformer(nn.Module):
             ``"metric_compatibility"`` (relative to the heterogeneity: 1 is
             no better than no transport; where every metric of a head is the
             same, 0 when the transport preserves it, as for
-            :math:`G = \\lambda I` with ``metric_rank=0`` or factors at 0, and
+            :math:`G = \\lambda I` with ``attention.rank=0`` or factors at 0, and
             ``inf`` when it does not) and ``"metric_heterogeneity"``
             (:math:`\\|G_i - G_j\\|_F`), each [L, h], averaged over the batch
             and ``diagnostic_samples`` fixed random triangles/pairs
@@ -340,7 +340,7 @@ class FiberBundleTransformer(nn.Module):
             lam, U_q, U_k, rates = blk.attn.geometry(z)
             lams.append(lam)
             B, h, n, d = k.shape
-            conn = blk.attn.config.connection
+            conn = blk.attn.config.connection_resolved
             if d % 2 or n < 3 or U_q is None and U_k is None:
                 continue
             rule = edge_rule(conn)
@@ -441,7 +441,7 @@ class FiberBundleTransformer(nn.Module):
             Naming ``path``, before anything is written, if it is not a str or
             path-like, is a directory, or its directory cannot take a new file.
         """
-        blob = {"format": _FORMAT, "config": dataclasses.asdict(self.config), "state_dict": self.state_dict()}
+        blob = {"format": _FORMAT, "config": self.config.to_dict(), "state_dict": self.state_dict()}
         atomic_write(path, lambda tmp: torch.save(blob, tmp), "path")
 
     @classmethod
@@ -451,11 +451,15 @@ class FiberBundleTransformer(nn.Module):
 
         The file is read with ``torch.load(weights_only=True)``: only tensors
         and plain values are unpickled, and nothing stored in it is called.
-        Its config must name every field of :class:`FiberBundleConfig` and no
-        other, so no field silently takes a default. Files of formats 1 and 2
-        (older versions of the package) may lack the fields added since, and
-        only those; they get the values that reproduce the model of then
-        (format 1: ``position_metric=False``, ``metric_bias=False``,
+        Its config must name every field of :class:`FiberBundleConfig` and,
+        in ``attention``, every attention option, and no other, so no field
+        silently takes a default. Files of formats 1 to 3 (written before
+        the attention options were nested) hold a flat config, the attention options as fields of
+        their own (``metric_rank``, ``shared_metric``, ...): they are nested
+        by one table (``MOVED_FIELDS`` in ``riemannian_ref.models.config``).
+        Files of formats 1 and 2 may lack the fields added since, and only
+        those; they get the values that reproduce the model of then (format
+        1: ``position_metric=False``, ``metric_bias=False``,
         ``scale_residual=True``, ``metric_subspace=None``; both:
         ``metric_form="factor"``, the unbounded metrics). A format-1 file of
         a model with the content connection that lacks ``scale_residual`` is
@@ -467,9 +471,11 @@ class FiberBundleTransformer(nn.Module):
         A file of version 0.2.0 with the content connection loads as the model
         it was (and :meth:`save` then writes the current format) with::
 
-            saved = torch.load(path, weights_only=True)["config"]
-            cfg = FiberBundleConfig(**{**saved, "connection": "content_source"})
-            model = FiberBundleTransformer.load(path, config=cfg)
+            saved = nest_flat(torch.load(path, weights_only=True)["config"])
+            saved["attention"].update(connection="content_source", metric_form="factor")  # its rule, its metrics
+            model = FiberBundleTransformer.load(path, config=FiberBundleConfig(**saved))
+
+        (``nest_flat`` from ``riemannian_ref.models.config``).
 
         Parameters
         ----------
@@ -516,8 +522,8 @@ class FiberBundleTransformer(nn.Module):
                              f"the package reads versions {list(_READABLE_VERSIONS)} (a newer package wrote it?)")
         saved_cfg = _saved_config(name, blob.get("config"), version, config)
         if config is not None and config != saved_cfg:
-            diff = [f"{k}: file {getattr(saved_cfg, k)!r}, expected {getattr(config, k)!r}"
-                    for k in sorted(_CONFIG_FIELDS) if getattr(saved_cfg, k) != getattr(config, k)]
+            mine, theirs = _leaves(saved_cfg), _leaves(config)
+            diff = [f"{k}: file {mine[k]!r}, expected {theirs[k]!r}" for k in sorted(mine) if mine[k] != theirs[k]]
             raise ValueError(f"{name}: saved with another config ({'; '.join(diff)})")
         state = blob.get("state_dict")
         if not isinstance(state, dict):
@@ -556,51 +562,87 @@ def _format_version(blob) -> int | None:
 
 def _saved_config(name: str, saved, version: int, expected: FiberBundleConfig | None) -> FiberBundleConfig:
     """The config a file records, checked field by field (format migrations applied)."""
-    if not isinstance(saved, dict) or not all(isinstance(k, str) for k in saved):
-        what = type(saved).__name__ if not isinstance(saved, dict) else "dict with non-str keys"
-        raise ValueError(f"{name}: the saved config is a {what}, not a dict of FiberBundleConfig fields")
-    unknown = sorted(set(saved) - _CONFIG_FIELDS)
-    if unknown:
-        raise ValueError(f"{name}: the saved config has unknown fields {unknown} (not fields of FiberBundleConfig)")
-    migrated = {k: v for k, v in _CONFIG_MIGRATIONS.get(version, {}).items() if k not in saved}
-    missing = sorted(_CONFIG_FIELDS - set(saved) - set(migrated))
-    if missing and expected is None:
-        raise ValueError(f"{name}: the saved config lacks the fields {missing} (format version {version}); "
-                         f"if you know the values the model was built with, load it with "
-                         f"config=FiberBundleConfig(...) giving them, and save it again")
-    values = {**migrated, **{k: getattr(expected, k) for k in missing}, **saved}
-    if version == 1 and "scale_residual" not in saved and _resolved_connection(values) == "content":
-        # The rule of connection="content" changed while format 1 was written: version 0.2.0 took the rates
-        # from the source token (today's "content_source"); later versions from both endpoints. Files that
-        # record scale_residual came after the change; without it, the file does not say which rule it used.
-        if expected is None or expected.connection_resolved not in ("content", "content_source"):
-            raise ValueError(
-                f"{name}: a format-1 file with the content connection that does not say which rule it used "
-                f"(version 0.2.0 took the rates from the source token, today's connection='content_source'; "
-                f"later development versions used today's 'content'); load it with config= giving the "
-                f"connection it was trained with, e.g. config=FiberBundleConfig(..., connection="
-                f"'content_source') for a file of 0.2.0 (FiberBundleTransformer.load shows how), and save it again")
-        values["connection"] = expected.connection
+    _check_fields_dict(name, saved, "the saved config")
+    if version < 4:  # flat: the attention options as fields of their own
+        values = _complete(name, saved, _FLAT_FIELDS, _CONFIG_MIGRATIONS[version],
+                           None if expected is None else _flat(expected), version)
+        if version == 1 and "scale_residual" not in saved and _resolved_connection(values) == "content":
+            # The rule of connection="content" changed while format 1 was written: version 0.2.0 took the rates
+            # from the source token (today's "content_source"); later versions from both endpoints. Files that
+            # record scale_residual came after the change; without it, the file does not say which rule it used.
+            if expected is None or expected.connection_resolved not in ("content", "content_source"):
+                raise ValueError(
+                    f"{name}: a format-1 file with the content connection that does not say which rule it used "
+                    f"(version 0.2.0 took the rates from the source token, today's connection='content_source'; "
+                    f"later development versions used today's 'content'); load it with config= giving the "
+                    f"connection it was trained with, e.g. config=FiberBundleConfig(..., attention=dict("
+                    f"connection='content_source')) for a file of 0.2.0 (FiberBundleTransformer.load shows how), "
+                    f"and save it again")
+            values["connection"] = _flat(expected)["connection"]
+    else:
+        want = None if expected is None else expected.to_dict()
+        values = _complete(name, saved, _CONFIG_FIELDS, {}, want, version)
+        _check_fields_dict(name, values["attention"], "the saved config's attention")
+        values["attention"] = _complete(name, values["attention"], frozenset(ATTENTION_OPTIONS), {},
+                                        None if want is None else want["attention"], version, "attention.")
     try:
-        return FiberBundleConfig(**values)
+        return FiberBundleConfig(**(nest_flat(values) if version < 4 else values))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name}: the saved config is not valid: {exc}") from None
 
 
+def _check_fields_dict(name: str, saved, what: str) -> None:
+    if not isinstance(saved, dict) or not all(isinstance(k, str) for k in saved):
+        got = type(saved).__name__ if not isinstance(saved, dict) else "dict with non-str keys"
+        raise ValueError(f"{name}: {what} is a {got}, not a dict of FiberBundleConfig fields")
+
+
+def _complete(name: str, saved: dict, known: frozenset, added: dict, expected: dict | None, version: int,
+              prefix: str = "") -> dict:
+    """``saved``'s fields, refusing unknown ones; those missing from ``added`` (fields added since ``version``,
+    with their values of then) or else from ``expected``."""
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        raise ValueError(f"{name}: the saved config has unknown fields {[prefix + k for k in unknown]} (not "
+                         f"fields of FiberBundleConfig of format version {version})")
+    migrated = {k: v for k, v in added.items() if k not in saved}
+    missing = sorted(known - set(saved) - set(migrated))
+    if missing and expected is None:
+        raise ValueError(f"{name}: the saved config lacks the fields {[prefix + k for k in missing]} (format "
+                         f"version {version}); if you know the values the model was built with, load it with "
+                         f"config=FiberBundleConfig(...) giving them, and save it again")
+    return {**migrated, **{k: expected[k] for k in missing}, **saved}
+
+
+def _flat(cfg: FiberBundleConfig) -> dict:
+    """A config as the flat fields of format <= 3 (the inverse of ``nest_flat``)."""
+    values = cfg.to_dict()
+    att = values.pop("attention")
+    values.update({old: att[new] for old, new in MOVED_FIELDS.items() if new != "metric"})
+    return {**values, "shared_metric": att["metric"] == "shared", "position_metric": att["metric"] == "position"}
+
+
+def _leaves(cfg: FiberBundleConfig) -> dict:
+    """Every field of a config, the attention's as ``attention.<option>`` (the connection resolved)."""
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "attention"}
+    return {**values, **{f"attention.{k}": getattr(cfg.attention, k) for k in ATTENTION_OPTIONS}}
+
+
 def _resolved_connection(values: dict):
-    """The connection a saved config's values resolve to (as FiberBundleConfig.connection_resolved)."""
+    """The connection a flat saved config's values resolve to (as FiberBundleConfig.connection_resolved)."""
     if values.get("connection") is not None:
         return values["connection"]
     return "content" if values.get("mode") == "fiber_bundle" else "trivial"
 
 
 #: The format of the files :meth:`FiberBundleTransformer.save` writes ("<prefix><version>"). Versions 2
-#: and 3 record every config field; version 3 added the metric parameterisation (``metric_form``,
-#: ``max_gain``, ``gain_bias``), and files of versions 1 and 2 hold the unbounded factor form.
+#: to 4 record every config field; version 3 added the metric parameterisation (``metric_form``,
+#: ``max_gain``, ``gain_bias``), and files of versions 1 and 2 hold the unbounded factor form; version 4
+#: nests the attention options in ``attention`` (versions 1 to 3: flat, :data:`MOVED_FIELDS`).
 _FORMAT_PREFIX = "riemannian_ref.FiberBundleTransformer/"
-_FORMAT_VERSION = 3
+_FORMAT_VERSION = 4
 _FORMAT = f"{_FORMAT_PREFIX}{_FORMAT_VERSION}"
-#: For each older format version, the config fields added since, with the values that reproduce the
+#: For each older format version, the (flat) config fields added since, with the values that reproduce the
 #: models of then (each field's behaviour before it existed). A file of that version may lack exactly
 #: these (it was written before some of them existed); any other missing field is refused.
 _FACTOR_FORM = {"metric_form": "factor", "max_gain": 4.0, "gain_bias": -2.0}  # metrics before version 3
@@ -611,6 +653,8 @@ _CONFIG_MIGRATIONS: dict[int, dict[str, object]] = {
         "metric_subspace": None,   # unconstrained per-token factors
         **_FACTOR_FORM},
     2: dict(_FACTOR_FORM),
+    3: {},
 }
 _READABLE_VERSIONS = tuple(sorted({*_CONFIG_MIGRATIONS, _FORMAT_VERSION}))
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(FiberBundleConfig))
+_FLAT_FIELDS = (_CONFIG_FIELDS - {"attention"}) | frozenset(MOVED_FIELDS)  # the configs of formats 1 to 3
