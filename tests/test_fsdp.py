@@ -18,11 +18,11 @@ from test_training import _free_port, _init_gloo  # the DDP test's two gloo proc
 #: learned temperature, both metric forms, the preconditioned FFN (its eta) with and without the connection
 CASES = {
     "euclidean": dict(mode="euclidean"),
-    "riemannian": dict(mode="riemannian", metric_subspace=1, learn_temperature=True),
+    "riemannian": dict(mode="riemannian", attention=dict(subspace=1, learn_temperature=True)),
     "fiber_bundle": dict(mode="fiber_bundle"),
-    "position_metric": dict(mode="riemannian", position_metric=True, metric_form="factor",
-                            precondition_ffn=True),
-    "shared_metric": dict(mode="fiber_bundle", shared_metric=True, learn_temperature=True),
+    "position_metric": dict(mode="riemannian", precondition_ffn=True,
+                            attention=dict(metric="position", metric_form="factor")),
+    "shared_metric": dict(mode="fiber_bundle", attention=dict(metric="shared", learn_temperature=True)),
 }
 RTOL = 1e-5  # float32 over 2 steps; what is measured is printed (pytest -s)
 #: the comparisons with one process use SGD: Adam turns rounding-level gradients of weights the batch

@@ -500,9 +500,9 @@ def test_a_zero_gradient_with_eps_0_takes_a_zero_step(gen):
 
 @pytest.mark.parametrize("mode", ["euclidean", "riemannian", "fiber_bundle"])
 def test_the_models_orthonormal_frames_train_on_stiefel(mode):
-    """FiberBundleConfig(qk_init="orthonormal") + constrain_ + RiemannianAdam keeps W_Q, W_K on St(D, d)."""
+    """FiberBundleConfig(attention=dict(qk_init="orthonormal")) + constrain_ + RiemannianAdam keeps W_Q, W_K on St(D, d)."""
     torch.manual_seed(0)
-    cfg = rr.FiberBundleConfig.tiny(mode=mode, qk_init="orthonormal")
+    cfg = rr.FiberBundleConfig.tiny(mode=mode, attention=dict(qk_init="orthonormal"))
     model = rr.FiberBundleTransformer(cfg).double()
     frames = model.qk_frame_parameters()
     with torch.no_grad():  # frames were orthonormalised in float32; re-project after .double()
