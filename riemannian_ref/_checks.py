@@ -3,7 +3,8 @@
 Every public function checks its inputs with these helpers so that a wrong
 shape, dtype or device raises a ``ValueError`` that says which argument was
 wrong, what was expected and what was received, instead of broadcasting
-silently or failing deep inside a matmul.
+silently or failing deep inside a matmul. Also the one dtype policy the
+attention and the model share (:func:`autocast_dtype`).
 """
 from __future__ import annotations
 
@@ -275,3 +276,12 @@ def check_scale(scale, d: int) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v > 0):
         raise ValueError(f"scale must be a finite positive number or None, got {scale!r}")
     return float(v)
+
+
+def autocast_dtype(device_type: str):
+    """The dtype ``torch.autocast`` casts to on this device type, or None when it is off (or unknown there)."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta, ...)
+        return None
+    return torch.get_autocast_dtype(device_type) if on else None

@@ -3,11 +3,9 @@
 The shared atomic writer (riemannian_ref/_io.py) is tested here too: the model's
 save is its first user."""
 import dataclasses
-import math
 import os
 import signal
 import stat
-import sys
 import time
 
 import pytest
@@ -191,6 +189,28 @@ def test_save_records_the_full_config_and_format_4(tmp_path):
         _rewrite(p, lambda b: edit(b["config"]))
         with pytest.raises(ValueError, match=msg):
             rr.FiberBundleTransformer.load(p)
+
+
+def test_an_option_added_later_loads_older_files_by_its_absent_value(tmp_path, monkeypatch, gen):
+    """A new AttentionConfig field declares metadata={"absent": value}: files saved before it load with that
+    value, flat formats too, with no new format version; a field without it makes them refused."""
+    model = _model(mode="riemannian")
+    p = tmp_path / "m.pt"
+    model.save(p)
+    _rewrite(p, lambda b: b["config"]["attention"].pop("lam_min"))  # lam_min declares its absent value
+    assert rr.FiberBundleTransformer.load(p).config == model.config
+    _rewrite(p, lambda b: b["config"]["attention"].pop("qk_gain"))  # as if qk_gain were added after the save
+    with pytest.raises(ValueError, match=r"lacks the fields \['attention.qk_gain'\]"):
+        rr.FiberBundleTransformer.load(p)
+    absent = tmod._absent_options()
+    monkeypatch.setattr(tmod, "_absent_options", lambda: {**absent, "qk_gain": 1.0})
+    back = rr.FiberBundleTransformer.load(p)
+    assert back.config == model.config and _same_weights(back, model)
+    monkeypatch.setattr(tmod, "_absent_options", lambda: {**absent, "qk_gain": 2.0})  # the value is used
+    assert rr.FiberBundleTransformer.load(p).config.attention.qk_gain == 2.0
+    old = _model(mode="riemannian", metric_form="factor")  # the metrics format-1 files hold
+    _v1_file(p, old)  # flat files never had lam_min (or any later option): they take the absent values
+    assert rr.FiberBundleTransformer.load(p).config == old.config
 
 
 def _v1_file(path, model, drop=tuple(V1_ADDED)):

@@ -16,7 +16,7 @@ import torch
 import riemannian_ref as rr
 from riemannian_ref.attention import layer as attention_layer
 from riemannian_ref.geometry.metric import METRIC_FORMS
-from riemannian_ref.geometry.scores import METRIC_SIDES
+from riemannian_ref._checks import METRIC_SIDES
 from riemannian_ref.geometry.transport import CONNECTIONS
 from riemannian_ref.models import MODES
 from riemannian_ref.models import config as config_module

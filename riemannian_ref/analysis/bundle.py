@@ -321,7 +321,6 @@ def relative_defect(defect: Tensor, hetero: Tensor) -> Tensor:
                        torch.where(defect > 0, torch.inf, torch.where(defect == 0, 0.0, defect)))
 
 
-_relative_defect = relative_defect  # the name models/transformer.py imports (until it imports relative_defect)
 
 
 def _compatibility(U_i: Tensor, U_j: Tensor, c: Tensor, ang: Tensor) -> Tensor:

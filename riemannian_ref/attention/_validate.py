@@ -186,15 +186,6 @@ def _broadcasts_to(shape, batch) -> bool:
 DOMINANT_MASK = -2.0 ** 120
 
 
-def autocast_dtype(device_type: str):
-    """The dtype ``torch.autocast`` casts to on this device type, or None when it is off (or unknown there)."""
-    try:
-        on = torch.is_autocast_enabled(device_type)
-    except RuntimeError:  # a device type autocast does not know (meta, ...)
-        return None
-    return torch.get_autocast_dtype(device_type) if on else None
-
-
 def mask_row_max(mask: Tensor, is_causal: bool, n_q: int, n_k: int) -> Tensor:
     """The largest entry of every row of a float mask over the keys the row sees, 0 where it sees none.
 

@@ -24,10 +24,10 @@ import math
 import torch
 from torch import Tensor
 
-from .._checks import broadcast_batch, check_same, check_tensor, shape_str
+from .._checks import autocast_dtype, broadcast_batch, check_same, check_tensor, shape_str
 from ..geometry.transport import (CONNECTIONS, check_positions, edge_rule, phases_unchecked,
                                   rotary_frequencies, rotate_factor, rotate_pairs, transport_angles)
-from ._validate import autocast_dtype, check_attention_inputs
+from ._validate import check_attention_inputs
 from .functional import _attention
 from .reference import _reference_attention, additive_mask, masked_softmax
 

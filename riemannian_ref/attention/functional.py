@@ -23,11 +23,11 @@ import os
 import torch
 from torch import Tensor
 
-from .._checks import reading_syncs, shape_str
+from .._checks import autocast_dtype, reading_syncs
 from ..geometry.metric import SubspaceFactors
 from . import _op  # noqa: F401  (registers the custom op that blockwise_operator traces, before any trace)
 from ._blockwise import block_sizes_for, blockwise_operator
-from ._validate import autocast_dtype, check_attention_inputs
+from ._validate import check_attention_inputs
 from .reference import _reference_attention
 
 __all__ = ["riemannian_attention"]

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .._checks import F32_MAX, METRIC_SIDES, check_bool, check_choice, check_int, check_number, check_tensor, shape_str
+from .._checks import (F32_MAX, METRIC_SIDES, autocast_dtype, check_bool, check_choice, check_int, check_number,
+                       check_tensor, shape_str)
 from ..geometry.metric import LAM_MIN, METRIC_FORMS, MetricNet, SubspaceFactors, raw_from_lam
 from ..geometry.scores import riemannian_scores
-from ._validate import autocast_dtype
 from ..geometry.transport import CONNECTIONS, rotary_frequencies
 from .connections import connection_attention
 from .functional import riemannian_attention
@@ -160,7 +160,7 @@ class AttentionConfig:
     rank: int = 2                    # r; 0 gives G = lam I
     strength: float = 1.0            # heterogeneity of the metrics at init
     lam_init: float = 1.0            # initial lambda
-    lam_min: float = LAM_MIN         # floor of lambda
+    lam_min: float = dataclasses.field(default=LAM_MIN, metadata={"absent": LAM_MIN})  # floor of lambda
     learn_temperature: bool = False  # learned per-head factor on 1/tau
     connection: str | None = None    # "trivial" | "flat" | "content" | "content_source" | "cumulative" (None: trivial)
     rotary_base: float = 10000.0     # rotary rates theta_m = base^(-2m/d)

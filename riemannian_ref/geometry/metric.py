@@ -28,7 +28,6 @@ __all__ = ["LowRankMetric", "MetricNet", "SubspaceFactors"]
 #: :math:`G = \lambda I + U U^\top` is uniformly positive definite.
 LAM_MIN = 1e-3
 
-_F32_MAX = F32_MAX  # the name models/config.py imports (until it imports _checks.F32_MAX)
 
 
 def lam_from_raw(rho: Tensor, lam_min: float = LAM_MIN) -> Tensor:

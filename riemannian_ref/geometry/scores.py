@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .._checks import METRIC_SIDES, check_score_inputs, shape_str
+from .._checks import check_score_inputs, shape_str
 
 __all__ = ["riemannian_scores", "dot_product_form"]
 

@@ -14,7 +14,7 @@ import functools
 import torch
 from torch import nn
 
-from .._checks import check_bool, check_choice, check_int as _pos_int
+from .._checks import check_bool, check_choice, check_int
 from .config import FiberBundleConfig
 from .transformer import FiberBundleTransformer
 
@@ -120,7 +120,7 @@ def match_width(config: FiberBundleConfig, target: int, *, exclude_embedding: bo
         If no candidate width gives a valid config.
     """
     _check_config(config)
-    _pos_int(target, "target")
+    check_int(target, "target")
     check_bool(exclude_embedding, "exclude_embedding")
     if widths is not None and not (isinstance(widths, (range, list, tuple))
                                    and all(isinstance(w, int) and not isinstance(w, bool) for w in widths)):
@@ -186,9 +186,9 @@ def attention_flops(n: int, d: int, rank: int = 0, *, kernel: str = "blockwise",
         ``"matmul_fwd"``, ``"matmul_bwd"``, ``"elementwise_fwd"``,
         ``"elementwise_bwd"``; their sum is a forward and backward pass.
     """
-    _pos_int(n, "n")
-    _pos_int(d, "d")
-    _pos_int(rank, "rank", 0)
+    check_int(n, "n")
+    check_int(d, "d")
+    check_int(rank, "rank", 0)
     check_choice(kernel, "kernel", ("blockwise", "sdpa"))
     check_choice(metric_side, "metric_side", ("key", "query", "mean"))
     check_bool(causal_skip, "causal_skip")
@@ -281,10 +281,10 @@ def estimate_cost(config: FiberBundleConfig, seq_len: int | None = None, *, batc
     """
     _check_config(config)
     cfg = config
-    n = cfg.block_size if seq_len is None else _pos_int(seq_len, "seq_len")
-    _pos_int(batch, "batch")
-    _pos_int(dtype_bytes, "dtype_bytes")
-    _pos_int(optimizer_states, "optimizer_states", 0)
+    n = cfg.block_size if seq_len is None else check_int(seq_len, "seq_len")
+    check_int(batch, "batch")
+    check_int(dtype_bytes, "dtype_bytes")
+    check_int(optimizer_states, "optimizer_states", 0)
     check_bool(causal_skip, "causal_skip")
     check_bool(fused_content, "fused_content")
     D, L, h, d = cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.qk_dim

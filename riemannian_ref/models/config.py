@@ -18,9 +18,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .._checks import check_bool, check_choice as _choice, check_int as _pos_int, check_number as _number
+from .._checks import F32_MAX, check_bool, check_choice, check_int, check_number
 from ..attention.layer import AttentionConfig
-from ..geometry.metric import _F32_MAX
+
 
 __all__ = ["MODES", "FiberBundleConfig"]
 
@@ -238,27 +238,27 @@ class FiberBundleConfig:
 
     def __post_init__(self):
         if self.vocab_size is not None:
-            _pos_int(self.vocab_size, "vocab_size")
+            check_int(self.vocab_size, "vocab_size")
         for name in ("block_size", "d_model", "n_heads", "n_layers", "mlp_ratio"):
-            _pos_int(getattr(self, name), name)
-        _pos_int(self.ffn_metric_rank, "ffn_metric_rank", 0)
+            check_int(getattr(self, name), name)
+        check_int(self.ffn_metric_rank, "ffn_metric_rank", 0)
         if self.head_dim is not None:
-            _pos_int(self.head_dim, "head_dim")
+            check_int(self.head_dim, "head_dim")
         elif self.d_model % self.n_heads:
             raise ValueError(f"d_model must be divisible by n_heads (or give head_dim), got "
                              f"d_model={self.d_model}, n_heads={self.n_heads}")
-        _choice(self.mode, "mode", MODES)
-        _choice(self.init, "init", INITS)
-        _choice(self.activation, "activation", ACTIVATIONS)
+        check_choice(self.mode, "mode", MODES)
+        check_choice(self.init, "init", INITS)
+        check_choice(self.activation, "activation", ACTIVATIONS)
         for name in ("skip", "mlp", "layer_norm", "causal", "bias", "tie_weights", "scale_residual"):
             check_bool(getattr(self, name), name)
         for name in ("precondition_ffn", "learned_positions"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
-        _number(self.eta_init, "eta_init", low=-_F32_MAX, high=_F32_MAX)  # a float32 parameter
-        _number(self.dropout, "dropout", low=0.0, high=1.0, high_open=True)
+        check_number(self.eta_init, "eta_init", low=-F32_MAX, high=F32_MAX)  # a float32 parameter
+        check_number(self.dropout, "dropout", low=0.0, high=1.0, high_open=True)
         if self.n_classes is not None:
-            _pos_int(self.n_classes, "n_classes")
+            check_int(self.n_classes, "n_classes")
             if self.tie_weights:
                 raise ValueError("n_classes needs tie_weights=False (the head is not the embedding)")
         if self.vocab_size is None and self.n_classes is not None:

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from collections.abc import Mapping
 
-from .._checks import check_choice as _choice, check_int as _pos_int, check_tensor, shape_str
+from .._checks import check_choice, check_int, check_tensor, shape_str
 from ..attention.layer import AttentionConfig, RiemannianAttention
 from .config import attention_fields, owned_attention
 
@@ -55,8 +55,8 @@ class RecallHead(nn.Module):
         super().__init__()
         for name, val in (("n_keys", n_keys), ("n_values", n_values), ("d_model", d_model),
                           ("head_dim", head_dim)):
-            _pos_int(val, name)
-        _choice(scores, "scores", ("dot", "metric"))
+            check_int(val, name)
+        check_choice(scores, "scores", ("dot", "metric"))
         owned = dict(d_model=d_model, n_heads=1, head_dim=head_dim, v_head_dim=d_model, cross_attention=True,
                      scores=scores)
         given = attention_fields({} if attention is None else attention, owned, _HEAD_OWNED)

@@ -46,11 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._checks import check_bool, check_int as _pos_int, check_number as _number, check_tensor, shape_str
-from .._checks import check_values
+from .._checks import check_bool, check_int, check_number, check_tensor, shape_str
+from .._checks import autocast_dtype, check_values
 from .._io import atomic_write
-from ..attention._validate import autocast_dtype
-from ..attention.layer import RiemannianAttention
+from ..attention.layer import AttentionConfig, RiemannianAttention
 from ..geometry.metric import LowRankMetric, MetricNet, SubspaceFactors
 from .config import ATTENTION_OPTIONS, MOVED_FIELDS, FiberBundleConfig, nest_flat
 
@@ -276,7 +275,7 @@ class FiberBundleTransformer(nn.Module):
         for name, flag in (("return_hidden", return_hidden), ("return_weights", return_weights),
                            ("return_diagnostics", return_diagnostics)):
             check_bool(flag, name)
-        _pos_int(diagnostic_samples, "diagnostic_samples")
+        check_int(diagnostic_samples, "diagnostic_samples")
         x = self._embed(idx, embeds)
         hidden, weights = [x], []
         try:
@@ -324,7 +323,7 @@ class FiberBundleTransformer(nn.Module):
 
     @torch.no_grad()
     def _diagnostics(self, H: Tensor, n_samples: int) -> dict:
-        from ..analysis.bundle import (_relative_defect, holonomy_defect, metric_compatibility_defect, sample_pairs,
+        from ..analysis.bundle import (relative_defect, holonomy_defect, metric_compatibility_defect, sample_pairs,
                                        sample_triangles, transport_closure_defect)
         from ..geometry.transport import connection_rates, edge_rule
 
@@ -360,7 +359,7 @@ class FiberBundleTransformer(nn.Module):
             clo.append(transport_closure_defect(k, rates, tri, rule=rule).mean(0))  # (h,)
             defect = metric_compatibility_defect(lam.view(h, 1), U, rates, pairs, rule=rule)  # (B, h)
             hetero = metric_compatibility_defect(lam.view(h, 1), U, torch.zeros_like(rates), pairs)
-            comp.append(_relative_defect(defect.mean(0), hetero.mean(0)))  # (h,); equal metrics: 0, not 0/0
+            comp.append(relative_defect(defect.mean(0), hetero.mean(0)))  # (h,); equal metrics: 0, not 0/0
             het.append(hetero.mean(0))  # (h,)
         out["lam"] = torch.stack(lams)  # (L, h)
         if hol:
@@ -398,10 +397,10 @@ class FiberBundleTransformer(nn.Module):
             raise ValueError(f"idx must be a prompt of token ids [B, n] with n >= 1, got {got}")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-        _pos_int(max_new_tokens, "max_new_tokens", 0)
-        _number(temperature, "temperature", low=0.0)
+        check_int(max_new_tokens, "max_new_tokens", 0)
+        check_number(temperature, "temperature", low=0.0)
         if top_k is not None:
-            _pos_int(top_k, "top_k")
+            check_int(top_k, "top_k")
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.config.block_size:]).logits[:, -1, :]  # (B, vocab)
             if temperature == 0:
@@ -579,16 +578,30 @@ def _saved_config(name: str, saved, version: int, expected: FiberBundleConfig | 
                     f"connection='content_source')) for a file of 0.2.0 (FiberBundleTransformer.load shows how), "
                     f"and save it again")
             values["connection"] = _flat(expected)["connection"]
+        values = nest_flat(values)
+        values["attention"] = {"metric": "token", **values["attention"]}  # "token" unless a flag said otherwise
     else:
-        want = None if expected is None else expected.to_dict()
-        values = _complete(name, saved, _CONFIG_FIELDS, {}, want, version)
+        values = _complete(name, saved, _CONFIG_FIELDS, {}, None if expected is None else expected.to_dict(),
+                           version)
         _check_fields_dict(name, values["attention"], "the saved config's attention")
-        values["attention"] = _complete(name, values["attention"], frozenset(ATTENTION_OPTIONS), {},
-                                        None if want is None else want["attention"], version, "attention.")
+    want = None if expected is None else expected.to_dict()
+    values["attention"] = _complete(name, values["attention"], frozenset(ATTENTION_OPTIONS), _absent_options(),
+                                    None if want is None else want["attention"], version, "attention.")
     try:
-        return FiberBundleConfig(**(nest_flat(values) if version < 4 else values))
+        return FiberBundleConfig(**values)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{name}: the saved config is not valid: {exc}") from None
+
+
+def _absent_options() -> dict:
+    """The attention options a saved file may lack, with the value that rebuilds its model.
+
+    An :class:`AttentionConfig` field declares it as ``metadata={"absent": value}``
+    (its behaviour before it existed): so adding an option needs no new file format.
+    A file lacking an option without one is refused.
+    """
+    return {f.name: f.metadata["absent"] for f in dataclasses.fields(AttentionConfig)
+            if "absent" in f.metadata and f.name in ATTENTION_OPTIONS}
 
 
 def _check_fields_dict(name: str, saved, what: str) -> None:
