@@ -285,3 +285,15 @@ def autocast_dtype(device_type: str):
     except RuntimeError:  # a device type autocast does not know (meta, ...)
         return None
     return torch.get_autocast_dtype(device_type) if on else None
+
+
+def check_gains_rank(form: str, rank: int, space: int, subspace: bool) -> None:
+    """The gains form's ``rank`` directions are orthonormal: they need a space of that many dimensions.
+
+    Past ``space`` Gram-Schmidt would orthonormalise rounding noise, so the extra
+    directions would turn with any change of the weights.
+    """
+    if form == "gains" and rank > space:
+        where = f"subspace = {space}" if subspace else f"head_dim = {space}"
+        raise ValueError(f"form='gains' needs rank <= {where} (its rank directions are orthonormal in a "
+                         f"{space}-dimensional space), got rank={rank}; use a smaller rank or form='factor'")

@@ -181,7 +181,7 @@ def test_meta_tensors_half_gqa_and_backward():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(metric="shared"), dict(metric="position"), dict(connection="flat"),
-                                dict(connection="content"), dict(connection="cumulative"), dict(subspace=1),
+                                dict(connection="content"), dict(connection="cumulative"), dict(subspace=2),
                                 dict(rank=0), dict(scores="dot")])
 def test_the_module_on_meta_tensors(kw):
     # D10: RiemannianAttention.forward gives the output shape (no autocast query for meta)

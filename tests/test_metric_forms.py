@@ -131,6 +131,29 @@ def test_bad_settings_are_refused_naming_the_argument(kw, msg):
         rr.MetricNet(16, 2, 8, 2, **kw)
 
 
+def test_the_gains_form_needs_as_many_dimensions_as_directions():
+    """r orthonormal directions need r dimensions: past them Gram-Schmidt would orthonormalise rounding noise,
+    and the extra directions turn with any change of the weights (a 1e-8 change moved U by 20%)."""
+    with pytest.raises(ValueError, match=r"form='gains' needs rank <= head_dim = 8 .*got rank=9"):
+        rr.MetricNet(16, 2, 8, 9)
+    with pytest.raises(ValueError, match=r"form='gains' needs rank <= subspace = 2 .*got rank=3"):
+        rr.MetricNet(16, 2, 8, 3, subspace=2)
+    with pytest.raises(ValueError, match=r"needs rank <= subspace = 1"):
+        rr.AttentionConfig(d_model=16, n_heads=2, rank=2, subspace=1)
+    with pytest.raises(ValueError, match=r"attention: form='gains' needs rank <= subspace = 1"):
+        rr.FiberBundleConfig.tiny(mode="riemannian", attention=dict(subspace=1))
+    rr.MetricNet(16, 2, 8, 3, subspace=2, form="factor")  # a redundant factor is only redundant
+    rr.AttentionConfig(d_model=16, n_heads=2, rank=9, scores="dot")  # no metric, no directions
+    torch.manual_seed(0)
+    net = rr.MetricNet(16, 2, 8, 2, subspace=2)  # at the limit the directions are well defined
+    x = torch.randn(2, 5, 16)
+    U = net(x)[1].dense()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1e-8 * torch.randn_like(p))
+    assert float((net(x)[1].dense() - U).norm() / U.norm()) < 1e-5
+
+
 @pytest.mark.parametrize("field, value, msg", [("metric_form", "gain", "metric_form"), ("max_gain", -1.0, "max_gain"),
                                                ("gain_bias", math.inf, "gain_bias")])
 def test_the_configs_name_the_field(field, value, msg):

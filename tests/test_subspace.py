@@ -435,7 +435,8 @@ def test_metric_net_subspace_errors(kw, match):
 @pytest.mark.parametrize("form", ["factor", "gains"])
 def test_module_with_subspace_equals_dense_factors_on_the_blockwise_operator(side, cross, form):
     torch.manual_seed(0)
-    cfg = rr.AttentionConfig(d_model=16, n_heads=2, rank=3, subspace=2, metric_side=side, causal=not cross,
+    rank = 3 if form == "factor" else 2  # the gains form's directions are orthonormal: rank <= subspace
+    cfg = rr.AttentionConfig(d_model=16, n_heads=2, rank=rank, subspace=2, metric_side=side, causal=not cross,
                              learn_temperature=True, cross_attention=cross, metric_bias=True, metric_form=form)
     layer = rr.RiemannianAttention(cfg).double()
     x = torch.randn(2, 9, 16, dtype=F64, requires_grad=True)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .._checks import (F32_MAX, METRIC_SIDES, autocast_dtype, check_bool, check_choice, check_int, check_number,
-                       check_tensor, shape_str)
+from .._checks import (F32_MAX, METRIC_SIDES, autocast_dtype, check_bool, check_choice, check_gains_rank, check_int,
+                       check_number, check_tensor, shape_str)
 from ..geometry.metric import LAM_MIN, METRIC_FORMS, MetricNet, SubspaceFactors, raw_from_lam
 from ..geometry.scores import riemannian_scores
 from ..geometry.transport import CONNECTIONS, rotary_frequencies
@@ -206,6 +206,8 @@ class AttentionConfig:
                 raise ValueError(f"subspace needs per-token metrics of rank >= 1 computed from the states "
                                  f"(scores='metric', metric='token', rank >= 1), got scores={self.scores!r}, "
                                  f"metric={self.metric!r}, rank={self.rank!r}")
+        if self.scores == "metric":
+            check_gains_rank(self.metric_form, self.rank, self.subspace or self.qk_dim, self.subspace is not None)
         check_number(self.strength, "strength", low=0.0)
         raw_from_lam(self.lam_init, self.lam_min)  # lam_init > lam_min > 0, finite
         check_number(self.rotary_base, "rotary_base", low=1.0, low_open=True)

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .._checks import F32_MAX, as_positive, broadcast_batch, check_bool, check_same, check_tensor, shape_str
+from .._checks import F32_MAX, as_positive, broadcast_batch, check_bool, check_gains_rank, check_same, check_tensor, shape_str
 
 __all__ = ["LowRankMetric", "MetricNet", "SubspaceFactors"]
 
@@ -544,6 +544,7 @@ class MetricNet(nn.Module):
                                  "computed from the states: shared=False, diagonal=False, n_positions=None")
             if rank == 0:
                 raise ValueError("subspace needs rank >= 1 (with rank 0 there is no factor to place)")
+        check_gains_rank(form, rank, head_dim if subspace is None else subspace, subspace is not None)
         rho = raw_from_lam(lam_init, lam_min)
         self.d_model, self.n_heads, self.head_dim, self.rank = d_model, n_heads, head_dim, rank
         self.lam_min, self.shared, self.diagonal = lam_min, shared, diagonal
@@ -557,7 +558,7 @@ class MetricNet(nn.Module):
             m = subspace
             Q, R = torch.linalg.qr(torch.randn(h, d, m))  # orthonormal columns (Haar), times sqrt(d/m)
             Q = Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)
-            self.basis = nn.Parameter(Q * math.sqrt(d / m))  # (h, d, m)
+            self.basis = nn.Parameter((Q * math.sqrt(d / m)).contiguous())  # (h, d, m); QR gives column-major
             self.proj = nn.Linear(d_model, h * m * r, bias=bias)  # C_i = W x_i (+ b), (m, r) per head
             nn.init.normal_(self.proj.weight, std=strength / math.sqrt(d_model * r))
             if bias:
