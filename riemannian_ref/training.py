@@ -418,6 +418,14 @@ def _fully_shard(model: nn.Module, device: torch.device, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    from .optim.manifold import Euclidean, ManifoldParameter
+
+    curved = [n for n, p in model.named_parameters()
+              if isinstance(p, ManifoldParameter) and not isinstance(p.manifold, Euclidean)]
+    if curved:  # fully_shard replaces every parameter by a plain one: the tag, and the geometry, would be lost
+        raise ValueError(f"parallel='fsdp' cannot shard parameters on a manifold ({', '.join(curved[:3])}"
+                         f"{', ...' if len(curved) > 3 else ''}): a Riemannian step needs the whole point on one "
+                         f"rank; train this model with parallel='ddp'")
     for t in (*model.parameters(), *model.buffers()):  # rank 0's initial weights, as DDP takes them
         dist.broadcast(t.detach(), 0)
     mesh = init_device_mesh(device.type, (world,))

@@ -74,6 +74,14 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             resumed = _model("fiber_bundle", 0)
             res = rr.train(resumed, tr, va, _cfg(parallel=parallel, checkpoint_path=ck, resume=True, **SGD))
             out[f"resumed_{parallel}"] = {"history": res.history, "state": _checkpoint.model_state(resumed)}
+        # frames on Stiefel: fully_shard would turn them into plain shards, so the run is refused
+        frames = rr.FiberBundleTransformer(rr.FiberBundleConfig.tiny(
+            block_size=12, mode="euclidean", attention=dict(qk_init="orthonormal")))
+        rr.optim.constrain_(rr.Stiefel(), *frames.qk_frame_parameters())
+        try:
+            rr.train(frames, tr, va, _cfg(parallel="fsdp"))
+        except ValueError as exc:
+            out["manifold_error"] = str(exc)
         # a caller-built optimiser over the parameters that fully_shard replaced is refused
         model = _model("euclidean", 0)
         stale = torch.optim.AdamW(model.parameters())
@@ -165,6 +173,7 @@ def test_fsdp_checkpoint_resumes(two_ranks):
 def test_fsdp_takes_a_sharded_model_and_refuses_misuse(two_ranks):
     assert "optimizer must be built over the sharded model's parameters" in two_ranks["stale_error"]
     assert "parallel='fsdp'" in two_ranks["ddp_error"]
+    assert "cannot shard parameters on a manifold (blocks.0.attn." in two_ranks["manifold_error"]
     for k, v in two_ranks["euclidean"]["state"].items():
         torch.testing.assert_close(two_ranks["caller_sharded"]["state"][k], v, rtol=RTOL, atol=1e-7, msg=k)
     with pytest.raises(ValueError, match="parallel"):
