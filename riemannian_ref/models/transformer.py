@@ -471,8 +471,11 @@ class FiberBundleTransformer(nn.Module):
         it was (and :meth:`save` then writes the current format) with::
 
             saved = nest_flat(torch.load(path, weights_only=True)["config"])
-            saved["attention"].update(connection="content_source", metric_form="factor")  # its rule, its metrics
-            model = FiberBundleTransformer.load(path, config=FiberBundleConfig(**saved))
+            # its rule and its metrics
+            saved["attention"].update(connection="content_source",
+                                      metric_form="factor")
+            cfg = FiberBundleConfig(**saved)
+            model = FiberBundleTransformer.load(path, config=cfg)
 
         (``nest_flat`` from ``riemannian_ref.models.config``).
 
