@@ -205,7 +205,8 @@ def main():
     p.add_argument("--metric-rank", type=int, default=2)
     p.add_argument("--metric-form", choices=("factor", "gains"), default="factor",
                    help="trainability: the metric heads' parameterisation: factor (G = lam I + U U^T), the form "
-                        "the stored results were made with, or gains (bounded gains), the package default")
+                        "the stored results were made with, or gains (bounded gains), the package default; "
+                        "gains needs --metric-rank <= every --metric-head-dims (orthonormal directions)")
     p.add_argument("--n-keys", type=int, default=32)
     p.add_argument("--n-values", type=int, default=16)
     p.add_argument("--n-pairs", type=int, default=8)

@@ -29,10 +29,11 @@ CONFIGS = [dict(mode="euclidean"), dict(mode="riemannian"), dict(mode="riemannia
            dict(mode="riemannian", metric_side="query"), dict(mode="riemannian", connection="flat"),
            dict(mode="riemannian", connection="cumulative"),
            dict(mode="riemannian", metric="shared"), dict(mode="fiber_bundle"),
-           dict(mode="fiber_bundle", metric_side="mean"), dict(mode="riemannian", subspace=2),
-           dict(mode="riemannian", subspace=2, metric_side="mean"),
+           dict(mode="fiber_bundle", metric_side="mean"), dict(mode="riemannian", subspace=3),
+           dict(mode="riemannian", subspace=3, metric_side="mean"),
            dict(mode="riemannian", subspace=3, metric_side="query"),
-           dict(mode="riemannian", subspace=2, connection="flat")]
+           dict(mode="riemannian", subspace=3, connection="flat"),
+           dict(mode="riemannian", subspace=2, metric_form="factor")]  # the gains form needs rank <= subspace
 
 
 def _inplace_bmm(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
@@ -147,7 +148,8 @@ def test_pairwise_terms_and_memory_scale_as_expected():
 
 def test_subspace_metrics_cost_a_wider_dot_product_not_r_products():
     """With factors in an m-dim subspace the pairwise cost grows with m(m+1)/2, not with the rank r."""
-    base = rr.FiberBundleConfig.small(mode="riemannian", attention=dict(rank=4))
+    # the factor form: its rank may exceed the subspace's dimension (the gains form's may not)
+    base = rr.FiberBundleConfig.small(mode="riemannian", attention=dict(rank=4, metric_form="factor"))
     sub = base.replace(attention=dict(subspace=2))
     for seq in (1024, 4096):
         tok, lift = (estimate_cost(c, seq)["flops"]["attention"]["total"] for c in (base, sub))

@@ -170,14 +170,15 @@ def test_intrinsic_rank_recall_heads_take_the_form(tmp_path, monkeypatch, flag, 
     script = experiment_script("intrinsic_rank.py")
     seen = {}
     monkeypatch.setattr(rr, "compare", lambda arms, data, config, **kw: seen.update(arms) or {})
+    # head dimension 2 for the metric arm: the gains form's two directions need two dimensions
     monkeypatch.setattr("sys.argv", ["intrinsic_rank.py", "--part", "trainability", "--head-dims", "2",
-                                     "--metric-head-dims", "1", "--no-progress", "--out", str(tmp_path / "t.json"),
+                                     "--metric-head-dims", "2", "--no-progress", "--out", str(tmp_path / "t.json"),
                                      *flag])
     script.main()
     heads = {name: arm.model() for name, arm in seen.items()}
     assert all(type(h) is rr.RecallHead for h in heads.values())
-    assert _forms(heads["distance-d2"]) == _forms(heads["metric-d1"]) == {form}
-    assert heads["metric-d1"].attn.config.rank == 2 and heads["distance-d2"].attn.config.rank == 0
+    assert _forms(heads["distance-d2"]) == _forms(heads["metric-d2"]) == {form}
+    assert heads["metric-d2"].attn.config.rank == 2 and heads["distance-d2"].attn.config.rank == 0
 
 
 def test_geodesic_gap_case_takes_the_form():
