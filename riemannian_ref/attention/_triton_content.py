@@ -85,28 +85,16 @@ GPU (none was lent), so the default block sizes are a guess.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
 
-try:  # optional: the package works without it
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - not installed (or a broken install): the dense path stays
-    triton = None
-    tl = None
+# triton (optional: None when absent, then the dense path stays), the switch and the block check are the
+# plain operator's: one environment rule and one dtype set for both kernels
+from ._triton import HAS_TRITON, SUPPORTED_DTYPES, _check_blocks, disabled_by_env, tl, triton  # noqa: F401
 
 __all__: list[str] = []  # private
-
-HAS_TRITON = triton is not None
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def disabled_by_env() -> bool:
-    """``RR_DISABLE_TRITON=1`` (or ``true``/``yes``) turns the Triton paths off."""
-    return os.environ.get("RR_DISABLE_TRITON", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def interpreted() -> bool:
@@ -168,14 +156,6 @@ def default_blocks(d: int) -> tuple[int, int]:
     d = 64, r = 2 and d = 128, r = 2 (``benchmarks/check_triton_content_compile.py``).
     """
     return (16, 32) if d <= 64 else (16, 16)
-
-
-def _check_blocks(blocks) -> tuple[int, int]:
-    ok = (isinstance(blocks, (tuple, list)) and len(blocks) == 2
-          and all(isinstance(b, int) and b >= 16 and b & (b - 1) == 0 for b in blocks))
-    if not ok:
-        raise ValueError(f"block_sizes for the Triton kernels must be two powers of two >= 16, got {blocks!r}")
-    return int(blocks[0]), int(blocks[1])
 
 
 def _device_of(t: Tensor):
