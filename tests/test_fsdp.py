@@ -117,7 +117,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
     mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
-    return torch.load(out / "fsdp.pt", weights_only=False)
+    return torch.load(out / "fsdp.pt", weights_only=True)
 
 
 @pytest.mark.parametrize("case", list(CASES))
